@@ -1,0 +1,244 @@
+"""Emit onnxruntime-training artifacts for a selection of trainable tensors (DESIGN: Artifacts).
+
+The artifacts are the four files ``onnxruntime.training.api`` loads: ``training_model.onnx``,
+``eval_model.onnx``, ``optimizer_model.onnx`` and ``checkpoint``. The three graphs do not hold
+weights (parameters are graph inputs); the weights live in ``checkpoint``. So artifacts depend
+only on the model's structure and the selection, and :class:`ArtifactCache` keys them by both.
+
+Facts relied on (``shared/ORT_NOTES.md``): ``requires_grad`` tensors get gradients,
+``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model of 1.19.2
+keeps BatchNormalization's three outputs with ``training_mode=0`` (it then fails to load), so
+``output[1:]`` of those nodes is trimmed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .errors import ConfigError, ModelError
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
+
+
+@dataclass(frozen=True)
+class ArtifactPaths:
+    """Paths of one set of training artifacts (all inside ``directory``)."""
+
+    directory: Path
+
+    @property
+    def training_model(self) -> Path:
+        return self.directory / "training_model.onnx"
+
+    @property
+    def eval_model(self) -> Path:
+        return self.directory / "eval_model.onnx"
+
+    @property
+    def optimizer_model(self) -> Path:
+        return self.directory / "optimizer_model.onnx"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.directory / "checkpoint"
+
+    def exists(self) -> bool:
+        return all((self.directory / name).is_file() for name in ARTIFACT_FILES)
+
+
+@contextlib.contextmanager
+def _captured_native_stderr():
+    """Capture what native code writes to file descriptor 2 (ORT's graph builder logs every
+    transformer at INFO level there, whatever the logger severity). Yields a list that holds
+    the captured text once the block has exited."""
+    captured: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.append(sink.read().decode(errors="replace"))
+
+
+def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """Return a copy of ``model`` whose initializers named in ``weights`` hold the given values.
+
+    Args:
+        model: the forward ONNX model.
+        weights: tensor name -> array; each array must keep the initializer's shape (dtype is
+            cast to the initializer's dtype).
+
+    Raises:
+        ModelError: a name is not an initializer of the model, or a shape differs.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    by_name = {init.name: init for init in out.graph.initializer}
+    for name, value in weights.items():
+        init = by_name.get(name)
+        if init is None:
+            raise ModelError(f"weight {name!r} is not an initializer of the model")
+        old = numpy_helper.to_array(init)
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(old.shape):
+            raise ModelError(
+                f"weight {name!r} has shape {tuple(value.shape)}, the model expects {old.shape}"
+            )
+        init.CopyFrom(numpy_helper.from_array(value.astype(old.dtype, copy=False), name))
+    return out
+
+
+def _trim_eval_batchnorm(eval_path: Path) -> None:
+    """Keep only output 0 of BatchNormalization nodes in the eval model (ORT 1.19.2 bug)."""
+    model = onnx.load(str(eval_path))
+    changed = False
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization" and len(node.output) > 1:
+            del node.output[1:]
+            changed = True
+    if changed:
+        onnx.save(model, str(eval_path))
+
+
+def generate(
+    model: onnx.ModelProto,
+    requires_grad: Sequence[str],
+    frozen_params: Sequence[str],
+    out_dir: str | os.PathLike,
+    *,
+    learning_rate: float = 1e-4,
+    weight_decay: float = 0.01,
+) -> ArtifactPaths:
+    """Generate ORT training artifacts for one selection, atomically.
+
+    The files are written to a temporary sibling directory and renamed onto ``out_dir``, so a
+    crash leaves either the old directory or the complete new one, never a partial one.
+
+    Args:
+        model: forward ONNX model (legalised for training) whose initializers hold the weights
+            to start from; they are stored in the checkpoint.
+        requires_grad: initializer names to train (the selected tensors), at least one.
+        frozen_params: initializer names to keep in the checkpoint without training (unselected
+            tensors and BatchNorm running statistics), so weights can be carried over.
+        out_dir: destination directory (replaced if it exists).
+        learning_rate: initial AdamW learning rate stored in the optimizer (the runtime sets it
+            per step).
+        weight_decay: AdamW decoupled weight decay.
+
+    Returns:
+        The paths of the four artifacts.
+
+    Raises:
+        ConfigError: ``requires_grad`` is empty or overlaps ``frozen_params``.
+        ModelError: onnxruntime-training cannot build the gradient graph (the message names the
+            failing op when ORT does).
+    """
+    requires_grad = list(requires_grad)
+    frozen_params = list(frozen_params)
+    if not requires_grad:
+        raise ConfigError("no tensor is selected for training: select at least one tensor")
+    overlap = set(requires_grad) & set(frozen_params)
+    if overlap:
+        raise ConfigError(f"tensors both trainable and frozen: {sorted(overlap)[:5]}")
+
+    from onnxruntime.training import artifacts as ort_artifacts
+    from onnxruntime.training import onnxblock
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        try:
+            native_log: list[str] = []
+            with _captured_native_stderr() as native_log:
+                ort_artifacts.generate_artifacts(
+                    model,
+                    requires_grad=requires_grad,
+                    frozen_params=frozen_params,
+                    loss=ort_artifacts.LossType.CrossEntropyLoss,
+                    optimizer=onnxblock.optim.AdamW(weight_decay=weight_decay),
+                    artifact_directory=str(tmp),
+                )
+        except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.debug("onnxruntime-training log:\n%s", "".join(native_log))
+            raise ModelError(
+                f"onnxruntime-training could not build the training graph: {first}"
+            ) from exc
+        _trim_eval_batchnorm(tmp / "eval_model.onnx")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.debug("artifacts for %d trainable tensors in %s", len(requires_grad), out_dir)
+    return ArtifactPaths(out_dir)
+
+
+def selection_key(model: onnx.ModelProto, requires_grad: Sequence[str]) -> str:
+    """A short stable key for (model structure, selection): sha256 over graph and names.
+
+    Initializer values are excluded (the graphs hold no weights), so the key survives training.
+    """
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    for init in graph.initializer:
+        init.ClearField("raw_data")
+        for field in ("float_data", "int32_data", "int64_data", "double_data"):
+            init.ClearField(field)
+    h = hashlib.sha256(graph.SerializeToString())
+    h.update("\0".join(sorted(requires_grad)).encode())
+    return h.hexdigest()[:16]
+
+
+class ArtifactCache:
+    """Artifacts on disk keyed by :func:`selection_key`, so a repeated selection costs nothing.
+
+    Cached checkpoints hold the weights of the moment they were generated; the runtime writes
+    current weights into the loaded state before training, so reuse never trains stale weights.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def get(
+        self,
+        model: onnx.ModelProto,
+        requires_grad: Sequence[str],
+        frozen_params: Sequence[str],
+        **kwargs,
+    ) -> tuple[ArtifactPaths, bool]:
+        """Return ``(paths, hit)``: cached artifacts for this selection, generating on a miss.
+
+        Keyword arguments go to :func:`generate`. Raises what :func:`generate` raises.
+        """
+        paths = ArtifactPaths(self.root / selection_key(model, requires_grad))
+        if paths.exists():
+            return paths, True
+        return generate(model, requires_grad, frozen_params, paths.directory, **kwargs), False

@@ -1,0 +1,48 @@
+"""One error hierarchy for etgraph.
+
+Every error a user can cause derives from :class:`EtgraphError`. Messages are one line that names
+the file, node or op concerned and says what to do; the CLI prints them as
+``etgraph: error: <message>`` and exits with status 1 (no traceback unless ``--debug``).
+"""
+
+from __future__ import annotations
+
+
+class EtgraphError(Exception):
+    """Base class of every error etgraph raises on purpose (bad input, impossible request)."""
+
+
+class ModelError(EtgraphError):
+    """The ONNX model is missing, malformed, or cannot be trained as it is."""
+
+
+class UnsupportedOpError(ModelError):
+    """An op in the model has no gradient in onnxruntime-training 1.19.2."""
+
+
+class ConfigError(EtgraphError):
+    """A setting is out of range or malformed (rho, batch size, input shape, paths)."""
+
+
+class InfeasibleBudgetError(ConfigError):
+    """``rho`` is below what the forward pass alone costs, so no tensor can be trained.
+
+    Attributes:
+        min_rho: the smallest feasible ``rho`` (float in (0, 1]), for the message and callers.
+    """
+
+    def __init__(self, message: str, min_rho: float):
+        super().__init__(message)
+        self.min_rho = min_rho
+
+
+class DataError(EtgraphError):
+    """The dataset is missing, empty, unreadable or does not fit the model."""
+
+
+class ProfileMismatchError(EtgraphError):
+    """A cached profile or plan belongs to another model, input shape or batch size."""
+
+
+class CheckpointError(EtgraphError):
+    """A checkpoint or run directory is missing, corrupt, or from another run."""

@@ -1,0 +1,1 @@
+"""Compiler passes over the tensor-level backward graph (paper section 5)."""
