@@ -62,17 +62,16 @@ class ArtifactPaths:
 
 
 @contextlib.contextmanager
-def _captured_native_stderr():
+def _captured_native_stderr(captured: list[str]):
     """Capture what native code writes to file descriptor 2 (ORT's graph builder logs every
-    transformer at INFO level there, whatever the logger severity). Yields a list that holds
-    the captured text once the block has exited."""
-    captured: list[str] = []
+    transformer at INFO level there, whatever the logger severity) into ``captured`` (appended
+    when the block exits)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as sink:
         os.dup2(sink.fileno(), 2)
         try:
-            yield captured
+            yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
@@ -169,9 +168,9 @@ def generate(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
+        native_log: list[str] = []
         try:
-            native_log: list[str] = []
-            with _captured_native_stderr() as native_log:
+            with _captured_native_stderr(native_log):
                 ort_artifacts.generate_artifacts(
                     model,
                     requires_grad=requires_grad,
