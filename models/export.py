@@ -1,0 +1,178 @@
+"""Export zoo models (or any torch module) to ONNX ready for onnxruntime-training.
+
+Export settings (``shared/ORT_NOTES.md``): TorchScript exporter (``dynamo=False``),
+``training=TrainingMode.TRAINING`` (in EVAL mode BatchNorm is folded into Conv and trainable
+tensors disappear), ``do_constant_folding=False``, opset 17, one input ``input``
+(``float32 [B, C, H, W]``, dynamic batch axis) and one output ``logits`` (``float32 [B, K]``).
+
+After export the graph is legalised for ORT 1.19.2's gradient builder:
+LayerNormalization nodes get their optional ``Mean`` and ``InvStdDev`` outputs and Dropout nodes
+their ``mask`` output (without them ``GradientBuilderBase::O`` fails; ORT issues #22465,
+#22955), and the IR version is checked to be <= 10 (what ORT 1.19 loads).
+
+CLI::
+
+    python -m models.export resnet50 -o resnet50.onnx --input-size 128 --num-classes 10
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import click
+import onnx
+import torch
+
+from models import zoo
+
+log = logging.getLogger(__name__)
+
+#: Highest IR version onnxruntime(-training) 1.19 loads.
+MAX_IR_VERSION = 10
+
+
+def legalize_for_training(model: onnx.ModelProto) -> int:
+    """Give LayerNormalization and Dropout nodes their optional outputs, in place.
+
+    ORT 1.19.2's gradient builders read LayerNormalization outputs 1-2 (Mean, InvStdDev) and
+    Dropout output 1 (mask); a node exported without them makes ``generate_artifacts`` fail.
+
+    Args:
+        model: ONNX model, modified in place.
+
+    Returns:
+        The number of nodes changed.
+    """
+    taken = {o for n in model.graph.node for o in n.output}
+    changed = 0
+
+    def fresh(base: str) -> str:
+        name, i = base, 0
+        while name in taken:
+            i += 1
+            name = f"{base}_{i}"
+        taken.add(name)
+        return name
+
+    for idx, node in enumerate(model.graph.node):
+        stem = node.name or f"{node.op_type}_{idx}"
+        if node.op_type == "LayerNormalization" and len(node.output) < 3:
+            while len(node.output) < 3:
+                suffix = "mean" if len(node.output) == 1 else "inv_std_dev"
+                node.output.append(fresh(f"{stem}_{suffix}"))
+            changed += 1
+        elif node.op_type == "Dropout" and len(node.output) < 2:
+            node.output.append(fresh(f"{stem}_mask"))
+            changed += 1
+    return changed
+
+
+def export_onnx(
+    name_or_module: str | torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    input_shape: tuple[int, int, int] = (3, 224, 224),
+    num_classes: int = 10,
+    opset: int = 17,
+    seed: int = 0,
+) -> Path:
+    """Export a zoo model (by name) or a torch module to a training-ready ONNX file.
+
+    Args:
+        name_or_module: a name in :data:`models.zoo.NAMES` (built with ``num_classes``,
+            ``input_size=input_shape[1]`` and ``seed``), or a ``torch.nn.Module`` mapping
+            ``float32 [B, C, H, W]`` to logits ``float32 [B, K]`` (``num_classes`` is then
+            ignored).
+        path: destination ``.onnx`` file (written atomically; parent directories created).
+        input_shape: ``(C, H, W)`` of one input image; H must equal W for zoo models.
+        num_classes: output width for zoo models.
+        opset: ONNX opset, <= 17 (ORT notes).
+        seed: weight initialisation seed for zoo models.
+
+    Returns:
+        ``Path(path)``. The file has input ``input`` and output ``logits`` with a dynamic batch
+        axis, weights as initializers (IR <= 10), LayerNormalization/Dropout legalised.
+
+    Raises:
+        KeyError: unknown model name.
+        ValueError: ``opset`` > 17 or a non-square input for a zoo model.
+        RuntimeError: the exported model has an IR version ORT 1.19 cannot load.
+    """
+    if opset > 17:
+        raise ValueError(f"opset {opset} > 17 is not supported for training export")
+    c, h, w = input_shape
+    if isinstance(name_or_module, str):
+        if h != w:
+            raise ValueError(f"zoo models take square inputs, got {h}x{w}")
+        module = zoo.build(name_or_module, num_classes, input_size=h, seed=seed)
+    else:
+        module = name_or_module
+    module.train()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dummy = torch.zeros(2, c, h, w)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript exporter deprecation notices
+            torch.onnx.export(
+                module,
+                (dummy,),
+                str(tmp),
+                input_names=["input"],
+                output_names=["logits"],
+                dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                opset_version=opset,
+                training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False,
+                dynamo=False,
+                external_data=False,
+            )
+        model = onnx.load(str(tmp))
+        n = legalize_for_training(model)
+        if model.ir_version > MAX_IR_VERSION:
+            raise RuntimeError(
+                f"exported IR version {model.ir_version} > {MAX_IR_VERSION}: "
+                "use onnx==1.17.0 as pinned"
+            )
+        onnx.checker.check_model(model)
+        onnx.save(model, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("exported %s to %s (%d nodes legalised)", name_or_module.__class__.__name__
+             if not isinstance(name_or_module, str) else name_or_module, path, n)  # fmt: skip
+    return path
+
+
+@click.command()
+@click.argument("name", type=click.Choice(zoo.NAMES))
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), required=True,
+              help="Destination .onnx file.")  # fmt: skip
+@click.option("--input-size", default=128, show_default=True, help="Input height = width (px).")
+@click.option("--num-classes", default=10, show_default=True, help="Output classes.")
+@click.option("--opset", default=17, show_default=True, help="ONNX opset (<= 17).")
+@click.option("--seed", default=0, show_default=True, help="Weight initialisation seed.")
+def main(name: str, output: str, input_size: int, num_classes: int, opset: int, seed: int):
+    """Export zoo model NAME to ONNX for onnxruntime-training."""
+    path = export_onnx(
+        name,
+        output,
+        input_shape=(3, input_size, input_size),
+        num_classes=num_classes,
+        opset=opset,
+        seed=seed,
+    )
+    model = onnx.load(str(path), load_external_data=False)
+    n_params = sum(int(onnx.numpy_helper.to_array(i).size) for i in model.graph.initializer)
+    click.echo(f"{path}: {len(model.graph.node)} nodes, {n_params} initializer values")
+
+
+if __name__ == "__main__":
+    main()
