@@ -1,0 +1,475 @@
+"""Tensor selection under a backward-time budget (paper §3.3 Eq. 3 and §6).
+
+Problem (paper Eq. 3, with the time model of :mod:`etgraph.timing`): over the N trainable tensors
+(forward execution order, index 0 nearest the input), choose a NON-EMPTY selection mask ``M``
+maximising ``sum(M * importance)`` subject to
+
+    backward_us(M) = sum(M * t_dw_us) + sum(t_dy_us[e(M):])  <=  budget_us,
+
+where ``e(M)`` is the earliest selected tensor and ``budget_us = rho * full_step_us - forward_us``
+(:func:`etgraph.timing.budget_us`).
+
+Solvers (same signature, all return a :class:`Selection`):
+
+* :func:`select_tensors` — the shipped DP, exact, O(N*T) time and O(T) memory for values plus
+  bit-packed back-pointers (T = budget in integer time units). The ``t_dy`` term depends only on
+  the earliest selected tensor ``e``: sweeping ``e`` from the output towards the input while
+  maintaining a 0/1-knapsack table over the tensors after ``e`` (weights ``t_dw``, values
+  ``importance``) gives ``value(e) = importance[e] + F_{e+1}[B - sum(t_dy[e:]) - t_dw[e]]``.
+* :func:`select_naive_dp` — the paper's O(N^2*T) recurrence (§6.2, Eq. 4) transcribed directly;
+  the oracle and baseline of ``benchmarks/dp.py`` and the tests.
+* :func:`select_topk` and :func:`select_prefix` — comparison baselines under the same budget and
+  the same time model.
+
+Pure numpy: no ONNX Runtime or torch import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from etgraph.errors import ConfigError, InfeasibleBudgetError
+from etgraph.timing import _timings, backward_us, min_feasible_backward_us, single_tensor_costs_us
+
+__all__ = [
+    "Selection",
+    "select_tensors",
+    "select_naive_dp",
+    "select_topk",
+    "select_prefix",
+    "MAX_TABLE_UNITS",
+]
+
+log = logging.getLogger(__name__)
+
+#: Largest DP table (budget in time units) the solvers accept; beyond it pass ``resolution``.
+MAX_TABLE_UNITS = 1 << 26
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """Result of a tensor selector.
+
+    Attributes:
+        mask: selection mask, read-only bool ndarray [N], forward order (True = train the tensor).
+        objective: ``sum(importance[mask])`` (float).
+        backward_us: predicted backward time of ``mask`` in real µs
+            (:func:`etgraph.timing.backward_us`), always ``<= budget_us`` it was solved for.
+        strategy: which selector produced it: ``"dp"``, ``"naive_dp"``, ``"topk"`` or ``"prefix"``.
+    """
+
+    mask: np.ndarray
+    objective: float
+    backward_us: float
+    strategy: str
+
+    @property
+    def indices(self) -> np.ndarray:
+        """Indices (int64, ascending = forward order) of the selected tensors."""
+        return np.flatnonzero(self.mask)
+
+    @property
+    def count(self) -> int:
+        """Number of selected tensors."""
+        return int(self.mask.sum())
+
+
+# --------------------------------------------------------------------------------------------
+# Shared plumbing: validation, the result type, infeasibility.
+
+
+def _inputs(t_dw_us, t_dy_us, importance, budget_us):
+    t_dw, t_dy = _timings(t_dw_us, t_dy_us)
+    imp = np.asarray(importance, dtype=np.float64)
+    if imp.shape != t_dw.shape:
+        raise ConfigError(
+            f"importance has shape {imp.shape} but the timings have {t_dw.shape}; "
+            "pass one importance per trainable tensor"
+        )
+    if not np.all(np.isfinite(imp)):
+        raise ConfigError("importance contains NaN or inf; re-evaluate tensor importance")
+    if t_dw.size == 0:
+        raise ConfigError("no trainable tensors: the model has nothing to select")
+    budget = float(budget_us)
+    if math.isnan(budget):
+        raise ConfigError("budget_us is NaN")
+    return t_dw, t_dy, imp, budget
+
+
+def _result(mask, imp, t_dw, t_dy, strategy) -> Selection:
+    mask = np.asarray(mask, dtype=bool).copy()
+    mask.setflags(write=False)
+    return Selection(
+        mask=mask,
+        objective=float(imp[mask].sum()),
+        backward_us=backward_us(mask, t_dw, t_dy),
+        strategy=strategy,
+    )
+
+
+def _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us) -> None:
+    """Raise InfeasibleBudgetError when not even one tensor fits in ``budget`` µs."""
+    cheapest_us, k = min_feasible_backward_us(t_dw, t_dy)
+    if cheapest_us <= budget:
+        return
+    msg = (
+        f"backward budget {budget:.1f} us is below the cheapest single tensor "
+        f"(tensor {k}: {cheapest_us:.1f} us); no tensor can be trained"
+    )
+    min_rho = float("nan")
+    if forward_us is not None and full_step_us is not None and float(full_step_us) > 0:
+        min_rho = (float(forward_us) + cheapest_us) / float(full_step_us)
+        msg += f"; raise rho to at least {min_rho:.4f}"
+    else:
+        msg += f"; raise the budget to at least {cheapest_us:.1f} us"
+    raise InfeasibleBudgetError(msg, min_rho=min_rho)
+
+
+def _best_single(t_dw, t_dy, imp, budget) -> np.ndarray | None:
+    """Mask of the most important tensor that fits alone in ``budget`` µs, or None."""
+    fits = single_tensor_costs_us(t_dw, t_dy) <= budget
+    if not fits.any():
+        return None
+    k = int(np.argmax(np.where(fits, imp, -np.inf)))
+    mask = np.zeros(t_dw.size, dtype=bool)
+    mask[k] = True
+    return mask
+
+
+def _discretise(t_dw, t_dy, budget, resolution):
+    """Integer time units: timings rounded UP, budget rounded DOWN (conservative).
+
+    Returns (w_dw int64 [N], w_dy int64 [N], budget_units int). With ``resolution=None`` the unit
+    is 1 µs; otherwise the unit is ``budget / resolution`` so the budget is ``resolution`` units.
+    A budget < 0 gives budget_units < 0 (nothing fits).
+    """
+    if resolution is not None and (int(resolution) != resolution or resolution < 1):
+        raise ConfigError(f"resolution must be a positive integer, got {resolution}")
+    finite = math.isfinite(budget)
+    if resolution is None or budget <= 0 or not finite:
+        unit = 1.0
+    else:
+        unit = budget / int(resolution)
+    w_dw = np.ceil(t_dw / unit).astype(np.int64)
+    w_dy = np.ceil(t_dy / unit).astype(np.int64)
+    total_units = int(w_dw.sum() + w_dy.sum())
+    if budget < 0:
+        budget_units = -1
+    elif not finite:
+        budget_units = total_units
+    elif resolution is None or budget == 0:
+        budget_units = min(math.floor(budget), total_units)
+    else:
+        budget_units = int(resolution)
+    # Beyond the cost of full training the budget changes nothing: cap the table there.
+    budget_units = min(budget_units, total_units)
+    if budget_units > MAX_TABLE_UNITS:
+        raise ConfigError(
+            f"budget of {budget_units} time units is too large for an exact DP table "
+            f"(limit {MAX_TABLE_UNITS}); pass resolution= (e.g. 10000)"
+        )
+    return w_dw, w_dy, budget_units
+
+
+def _solve_within_budget(solve_units, t_dw, t_dy, imp, budget, resolution):
+    """Run an integer-unit solver, then guarantee the real-µs cost fits and the mask is non-empty.
+
+    ``solve_units(w_dw, w_dy, imp, budget_units) -> mask | None``. Rounding timings up and the
+    budget down already guarantees ``backward_us(mask) <= budget`` in exact arithmetic; the loop
+    only guards against floating-point noise in the conversion to units. The best single tensor
+    that fits in real µs is also considered, so coarse rounding never makes a feasible budget
+    look infeasible.
+    """
+    w_dw, w_dy, budget_units = _discretise(t_dw, t_dy, budget, resolution)
+    mask = None
+    while budget_units >= 0:
+        mask = solve_units(w_dw, w_dy, imp, budget_units)
+        if mask is None or backward_us(mask, t_dw, t_dy) <= budget:
+            break
+        budget_units -= 1
+        mask = None
+    single = _best_single(t_dw, t_dy, imp, budget)
+    if mask is None or (single is not None and imp[single].sum() > imp[mask].sum()):
+        mask = single
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped solver: O(N*T) sweep over the earliest selected tensor.
+
+
+def _dp_sweep(w_dw: np.ndarray, w_dy: np.ndarray, imp: np.ndarray, budget: int):
+    """Exact optimum of the integer problem; mask (bool [N]) or None when nothing fits.
+
+    Sweep e = N-1 .. 0. Before evaluating e, ``F[t]`` (t = 0 .. L-1) is the best importance of a
+    subset of the positive-importance tensors e+1..N-1 whose ``w_dw`` sum to at most t; for
+    t >= L the value equals ``F[L-1]`` (either every added tensor fits, or no query needs t >= L).
+    Choosing e as the earliest selected tensor leaves ``cap[e] = budget - w_dw[e] - sum(w_dy[e:])``
+    for the tensors after it, so ``value(e) = imp[e] + F[min(cap[e], L-1)]`` if ``cap[e] >= 0``.
+    Then tensor e is added to the table as a 0/1-knapsack item, recording per capacity whether it
+    was taken (bit-packed), which recovers the mask afterwards. Tensors with importance <= 0 are
+    never worth adding besides the mandatory earliest one, so they skip the table.
+    Table length is bounded by ``need[e] = max(cap[:e])`` (the largest capacity any earlier e
+    will query — the paper's "redundant subproblems") and by the weight added so far.
+    """
+    n = w_dw.size
+    suffix_dy = np.cumsum(w_dy[::-1])[::-1]
+    cap = budget - w_dw - suffix_dy  # int64 [N]
+    need = np.maximum.accumulate(cap)  # need[e-1]: largest capacity queried by any e' < e
+    if need[-1] < 0:
+        return None
+    table = np.zeros(int(need[-1]) + 1, dtype=np.float64)
+    length = 1  # active length L of the table
+    added_w = 0  # total weight of the items in the table
+    taken: dict[int, tuple[int, int, np.ndarray | None]] = {}  # item -> (w, L, packed bits)
+
+    best_value, best_e = -np.inf, -1
+    for e in range(n - 1, -1, -1):
+        if cap[e] >= 0:
+            value = imp[e] + table[min(int(cap[e]), length - 1)]
+            if value > best_value:
+                best_value, best_e = value, e
+        if e == 0 or need[e - 1] < 0:
+            break  # no earlier tensor can be the earliest selected one
+        if imp[e] <= 0:
+            continue
+        w, v = int(w_dw[e]), float(imp[e])
+        new_length = min(int(need[e - 1]), added_w + w) + 1
+        if new_length > length:  # the table grew: the tail holds "every item fits"
+            table[length:new_length] = table[length - 1]
+        length = new_length
+        added_w += w
+        if w >= length:
+            continue  # never fits in any capacity still queried
+        if w == 0:
+            table[:length] += v
+            taken[e] = (0, length, None)  # taken at every capacity
+            continue
+        candidate = table[: length - w] + v
+        keep = candidate > table[w:length]
+        np.maximum(table[w:length], candidate, out=table[w:length])
+        taken[e] = (w, length, np.packbits(keep))
+
+    if best_e < 0:
+        return None
+    mask = np.zeros(n, dtype=bool)
+    mask[best_e] = True
+    c = int(cap[best_e])
+    for j in range(best_e + 1, n):  # undo the additions, last-added first
+        if j not in taken:
+            continue
+        w, length_j, bits = taken[j]
+        t = min(c, length_j - 1)
+        if bits is None or (t >= w and (bits[(t - w) >> 3] >> (7 - ((t - w) & 7))) & 1):
+            mask[j] = True
+            c -= w
+    return mask
+
+
+def select_tensors(
+    t_dw_us,
+    t_dy_us,
+    importance,
+    budget_us: float,
+    *,
+    resolution: int | None = None,
+    forward_us: float | None = None,
+    full_step_us: float | None = None,
+) -> Selection:
+    """Optimal tensor selection under a backward budget (paper Eq. 3, DP of §6).
+
+    Maximises ``sum(M * importance)`` over non-empty masks M with
+    ``sum(M * t_dw_us) + sum(t_dy_us[e(M):]) <= budget_us`` in O(N*T) time (see module docstring).
+
+    Rounding (both conservative, so the returned mask never exceeds ``budget_us`` in real µs):
+      * ``resolution=None``: timings are rounded UP to integer µs and the budget DOWN to an
+        integer. Exact (the true optimum) when the timings are integers.
+      * ``resolution=R`` (the paper's T_q, Eq. 5): the budget is split into R units of
+        ``budget_us / R`` µs; timings are rounded UP to whole units. Near-optimal, T = R.
+      In both modes the best single tensor fitting in real µs is also considered, so rounding
+      never turns a feasible budget into an error.
+
+    Args:
+        t_dw_us, t_dy_us: float/int [N] µs (>= 0), forward order.
+        importance: float [N], forward order; zero and negative values allowed.
+        budget_us: backward budget in µs, ``rho * full_step_us - forward_us``.
+        resolution: None for 1-µs units, or a positive int R.
+        forward_us, full_step_us: optional, only to state the smallest feasible rho in the error.
+    Returns:
+        Selection with strategy ``"dp"``.
+    Raises:
+        InfeasibleBudgetError: no single tensor fits (message gives the smallest feasible budget,
+            and rho when ``forward_us``/``full_step_us`` are given; attribute ``min_rho``).
+        ConfigError: mismatched shapes, negative/non-finite timings or importance, N = 0, bad
+            resolution, or an exact table larger than ``MAX_TABLE_UNITS`` (use ``resolution``).
+    """
+    t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
+    _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+    mask = _solve_within_budget(_dp_sweep, t_dw, t_dy, imp, budget, resolution)
+    return _result(mask, imp, t_dw, t_dy, "dp")
+
+
+# --------------------------------------------------------------------------------------------
+# The paper's recurrence, O(N^2 * T): oracle and benchmark baseline.
+
+
+def _naive_recurrence(w_dw: np.ndarray, w_dy: np.ndarray, imp: np.ndarray, budget: int):
+    """The paper's §6.2 recurrence (Eq. 4) with the inclusive f(M); mask or None.
+
+    The paper counts tensors from the output ("bottom k tensors"). ``S[k][t]`` is the best
+    importance over masks on tensors k..N-1 in which tensor k is selected and is the one nearest
+    the input, within t units. Selecting k costs ``dt = t_dw[k] + sum_{j=k}^{k_c-1} t_dy[j]`` on
+    top of the subproblem of the closest selected tensor ``k_c`` (Eq. 4; the inclusive f(M) counts
+    k's own t_dy), or ``t_dw[k] + sum(t_dy[k:])`` if k is the only one. Backtracing all k_c makes
+    each subproblem O(N), hence O(N^2 * T); the loop over t is vectorised with numpy. The paper's
+    P[k,t] (best over tensors k..N-1, any earliest) is ``max_{k' >= k} S[k'][t]``; the answer is
+    ``max_k S[k][budget]``. (The paper's "Case 2 falls back to P[k_c, t - dt]" needs k_c to be
+    selected, which is why the table is over S.)
+    """
+    n = w_dw.size
+    if budget < 0:
+        return None
+    size = budget + 1
+    suffix_dy = np.concatenate([np.cumsum(w_dy[::-1])[::-1], [0]])
+    score = np.full((n, size), -np.inf)
+    choice = np.full((n, size), -1, dtype=np.int32)  # k_c, or n for "k alone"
+    for k in range(n - 1, -1, -1):
+        best = np.full(size, -np.inf)
+        arg = np.full(size, -1, dtype=np.int32)
+        alone = int(w_dw[k] + suffix_dy[k])
+        if alone < size:
+            best[alone:] = 0.0
+            arg[alone:] = n
+        for k_c in range(k + 1, n):
+            dt = int(w_dw[k] + suffix_dy[k] - suffix_dy[k_c])
+            if dt >= size:
+                continue
+            cand = score[k_c, : size - dt]
+            better = cand > best[dt:]
+            best[dt:][better] = cand[better]
+            arg[dt:][better] = k_c
+        score[k] = imp[k] + best
+        choice[k] = arg
+    best_e = int(np.argmax(score[:, budget]))
+    if not np.isfinite(score[best_e, budget]):
+        return None
+    mask = np.zeros(n, dtype=bool)
+    k, t = best_e, budget
+    while k < n:
+        mask[k] = True
+        k_c = int(choice[k, t])
+        if k_c < n:
+            t -= int(w_dw[k] + suffix_dy[k] - suffix_dy[k_c])
+        k = k_c
+    return mask
+
+
+def select_naive_dp(
+    t_dw_us,
+    t_dy_us,
+    importance,
+    budget_us: float,
+    *,
+    resolution: int | None = None,
+    forward_us: float | None = None,
+    full_step_us: float | None = None,
+) -> Selection:
+    """The paper's O(N^2*T) DP (§6.2, Eq. 4); same contract and rounding as :func:`select_tensors`.
+
+    Memory is O(N*T) (float64 scores + int32 back-pointers), so keep N*T below ~1e8.
+    Returns a Selection with strategy ``"naive_dp"``.
+    """
+    t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
+    _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+    mask = _solve_within_budget(_naive_recurrence, t_dw, t_dy, imp, budget, resolution)
+    return _result(mask, imp, t_dw, t_dy, "naive_dp")
+
+
+# --------------------------------------------------------------------------------------------
+# Baselines under the same budget and time model.
+
+
+def select_topk(
+    t_dw_us,
+    t_dy_us,
+    importance,
+    budget_us: float,
+    *,
+    resolution: int | None = None,
+    forward_us: float | None = None,
+    full_step_us: float | None = None,
+) -> Selection:
+    """Greedy top-k by importance under the same budget and time model.
+
+    Visits tensors by importance, descending (ties: nearer the output first), and adds each one
+    whose addition keeps ``backward_us(mask) <= budget_us``; tensors that do not fit are skipped.
+    Tensors with importance <= 0 are only added when the mask would otherwise be empty (then the
+    most important tensor that fits alone). ``resolution`` is accepted for a uniform signature
+    and ignored (the greedy works in real µs).
+
+    Returns a Selection with strategy ``"topk"``. Raises as :func:`select_tensors`.
+    """
+    del resolution
+    t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
+    _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+    n = t_dw.size
+    suffix_dy = np.concatenate([np.cumsum(t_dy[::-1])[::-1], [0.0]])
+    order = np.lexsort((-np.arange(n), -imp))  # importance desc, then index desc
+    mask = np.zeros(n, dtype=bool)
+    dw_sum, earliest = 0.0, n
+    for k in order:
+        if imp[k] <= 0:
+            break
+        new_earliest = min(earliest, int(k))
+        if dw_sum + t_dw[k] + suffix_dy[new_earliest] <= budget:
+            mask[k] = True
+            dw_sum += t_dw[k]
+            earliest = new_earliest
+    if not mask.any():
+        mask = _best_single(t_dw, t_dy, imp, budget)
+    return _result(mask, imp, t_dw, t_dy, "topk")
+
+
+def select_prefix(
+    t_dw_us,
+    t_dy_us,
+    importance,
+    budget_us: float,
+    *,
+    resolution: int | None = None,
+    forward_us: float | None = None,
+    full_step_us: float | None = None,
+) -> Selection:
+    """Largest prefix of the backward pass that fits: tensors s..N-1 with the smallest such s.
+
+    The classic "train the last layers" transfer-learning baseline, sized to the budget: the
+    longest run of tensors ending at the output (a suffix in forward order) whose
+    ``sum(t_dw[s:]) + sum(t_dy[s:]) <= budget_us``. Ignores importance. ``resolution`` is
+    accepted for a uniform signature and ignored.
+
+    Returns a Selection with strategy ``"prefix"``. Raises as :func:`select_tensors` (when even
+    the last tensor does not fit).
+    """
+    del resolution
+    t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
+    suffix_cost = np.cumsum((t_dw + t_dy)[::-1])[::-1]  # cost of training s..N-1
+    fits = np.flatnonzero(suffix_cost <= budget)
+    if fits.size == 0:
+        _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+        cheapest = float(suffix_cost[-1])
+        msg = (
+            f"backward budget {budget:.1f} us is below the cost of training the last tensor "
+            f"alone ({cheapest:.1f} us)"
+        )
+        min_rho = float("nan")
+        if forward_us is not None and full_step_us is not None and float(full_step_us) > 0:
+            min_rho = (float(forward_us) + cheapest) / float(full_step_us)
+            msg += f"; raise rho to at least {min_rho:.4f} for the prefix baseline"
+        raise InfeasibleBudgetError(msg, min_rho=min_rho)
+    mask = np.zeros(t_dw.size, dtype=bool)
+    mask[int(fits[0]) :] = True
+    return _result(mask, imp, t_dw, t_dy, "prefix")

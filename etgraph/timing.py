@@ -1,0 +1,167 @@
+"""Time model of selective training (paper §2.2 and Eq. 3, with the inclusive f(M)).
+
+All arrays are in forward execution order: index 0 is the tensor nearest the model input, index
+N-1 the one nearest the output. Timings are wall-clock microseconds (float or int, >= 0).
+
+For a selection mask ``M`` (bool [N]) let ``e(M)`` be the index of the earliest selected tensor.
+Training the selected tensors costs
+
+    backward_us(M) = sum_k M[k] * t_dw_us[k]  +  sum_{k >= e(M)} t_dy_us[k]
+
+i.e. every selected tensor pays its own weight-gradient time ``t_dw`` and the error gradient must
+be propagated from the output down to (and including) the earliest selected tensor — the paper's
+``f(M)``: M = [0,0,0,1,1,0,0] gives f(M) = [0,0,0,1,1,1,1]. An empty mask has no backward pass
+(0 µs). One training step costs ``step_us(M) = forward_us + backward_us(M)``; full training is the
+all-ones mask. The DP in :mod:`etgraph.selection` optimises against exactly this cost.
+
+Pure numpy: no ONNX Runtime or torch import here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from etgraph.errors import ConfigError
+
+__all__ = [
+    "earliest_selected",
+    "backward_us",
+    "backward_us_many",
+    "step_us",
+    "budget_us",
+    "single_tensor_costs_us",
+    "min_feasible_backward_us",
+    "min_feasible_rho",
+]
+
+
+def _timings(t_dw_us, t_dy_us) -> tuple[np.ndarray, np.ndarray]:
+    """Validate and return (t_dw_us, t_dy_us) as float64 arrays of equal shape [N]."""
+    t_dw = np.asarray(t_dw_us, dtype=np.float64)
+    t_dy = np.asarray(t_dy_us, dtype=np.float64)
+    if t_dw.ndim != 1 or t_dw.shape != t_dy.shape:
+        raise ConfigError(
+            f"t_dw_us and t_dy_us must be 1-D arrays of the same length, got shapes "
+            f"{t_dw.shape} and {t_dy.shape}; pass one timing per trainable tensor"
+        )
+    if not (np.all(np.isfinite(t_dw)) and np.all(np.isfinite(t_dy))):
+        raise ConfigError("t_dw_us/t_dy_us contain NaN or inf; re-run the profiler")
+    if np.any(t_dw < 0) or np.any(t_dy < 0):
+        raise ConfigError("t_dw_us/t_dy_us contain negative times; re-run the profiler")
+    return t_dw, t_dy
+
+
+def _mask(mask, n: int) -> np.ndarray:
+    m = np.asarray(mask)
+    if m.shape != (n,):
+        raise ConfigError(f"selection mask has shape {m.shape}, expected ({n},) (one per tensor)")
+    return m.astype(bool, copy=False)
+
+
+def earliest_selected(mask) -> int | None:
+    """Index of the earliest (nearest the input) selected tensor, ``e(M)``; None for an empty mask.
+
+    Args:
+        mask: selection mask, bool (or 0/1) array [N], forward order.
+    """
+    idx = np.flatnonzero(np.asarray(mask, dtype=bool))
+    return int(idx[0]) if idx.size else None
+
+
+def backward_us(mask, t_dw_us, t_dy_us) -> float:
+    """Predicted backward time (µs) of training the tensors in ``mask`` (paper Eq. 3).
+
+    ``sum(M * t_dw_us) + sum(t_dy_us[e(M):])``; 0.0 for an empty mask.
+
+    Args:
+        mask: selection mask, bool [N], forward order.
+        t_dw_us, t_dy_us: float [N] µs, >= 0, forward order.
+    Raises:
+        ConfigError: shapes disagree, or timings are negative / not finite.
+    """
+    t_dw, t_dy = _timings(t_dw_us, t_dy_us)
+    m = _mask(mask, t_dw.size)
+    e = earliest_selected(m)
+    if e is None:
+        return 0.0
+    return float(t_dw[m].sum() + t_dy[e:].sum())
+
+
+def backward_us_many(masks, t_dw_us, t_dy_us) -> np.ndarray:
+    """Vectorised :func:`backward_us` for K masks at once.
+
+    Args:
+        masks: bool [K, N], one selection mask per row, forward order.
+        t_dw_us, t_dy_us: float [N] µs.
+    Returns:
+        float64 [K] µs; 0.0 for empty rows.
+    """
+    t_dw, t_dy = _timings(t_dw_us, t_dy_us)
+    m = np.asarray(masks, dtype=bool)
+    if m.ndim != 2 or m.shape[1] != t_dw.size:
+        raise ConfigError(f"masks has shape {m.shape}, expected (K, {t_dw.size})")
+    # suffix[k] = sum(t_dy[k:]), with suffix[N] = 0 for empty rows.
+    suffix = np.concatenate([np.cumsum(t_dy[::-1])[::-1], [0.0]])
+    any_sel = m.any(axis=1)
+    first = np.where(any_sel, m.argmax(axis=1), t_dw.size)
+    return m @ t_dw + suffix[first]
+
+
+def step_us(mask, t_dw_us, t_dy_us, forward_us: float) -> float:
+    """Predicted time (µs) of one training step: ``forward_us + backward_us(mask, ...)``."""
+    return float(forward_us) + backward_us(mask, t_dw_us, t_dy_us)
+
+
+def budget_us(rho: float, forward_us: float, full_step_us: float) -> float:
+    """Backward-pass budget (µs) for speedup objective ``rho``: ``rho * full_step_us - forward_us``.
+
+    Paper Eq. 3: T_selective <= rho * T_full, with T_selective = forward + backward(M).
+    The result may be negative (rho below what the forward pass alone costs); the selector
+    then raises :class:`~etgraph.errors.InfeasibleBudgetError`.
+
+    Raises:
+        ConfigError: ``rho`` not in (0, 1], or ``full_step_us`` not positive.
+    """
+    rho = float(rho)
+    if not (0.0 < rho <= 1.0):
+        raise ConfigError(f"rho must be in (0, 1] (fraction of the full step time), got {rho}")
+    if not float(full_step_us) > 0.0:
+        raise ConfigError(f"full_step_us must be positive, got {full_step_us}")
+    return rho * float(full_step_us) - float(forward_us)
+
+
+def single_tensor_costs_us(t_dw_us, t_dy_us) -> np.ndarray:
+    """Backward time (µs) of training each tensor k alone, float [N].
+
+    ``t_dw_us[k] + sum(t_dy_us[k:])`` (the inclusive f(M) of a one-tensor mask).
+    """
+    t_dw, t_dy = _timings(t_dw_us, t_dy_us)
+    return t_dw + np.cumsum(t_dy[::-1])[::-1]
+
+
+def min_feasible_backward_us(t_dw_us, t_dy_us) -> tuple[float, int]:
+    """Smallest backward budget (µs) at which some tensor can be trained, and that tensor's index.
+
+    Raises:
+        ConfigError: no tensors (N = 0) or invalid timings.
+    """
+    costs = single_tensor_costs_us(t_dw_us, t_dy_us)
+    if costs.size == 0:
+        raise ConfigError("no trainable tensors: the model has nothing to select")
+    k = int(np.argmin(costs))
+    return float(costs[k]), k
+
+
+def min_feasible_rho(t_dw_us, t_dy_us, forward_us: float, full_step_us: float) -> float:
+    """Smallest ``rho`` at which at least one tensor can be selected.
+
+    ``(forward_us + min_k (t_dw_us[k] + sum(t_dy_us[k:]))) / full_step_us``. A value > 1 means the
+    timings are inconsistent with ``full_step_us`` (no rho in (0, 1] is feasible).
+
+    Raises:
+        ConfigError: ``full_step_us`` not positive, no tensors, or invalid timings.
+    """
+    if not float(full_step_us) > 0.0:
+        raise ConfigError(f"full_step_us must be positive, got {full_step_us}")
+    cheapest_us, _ = min_feasible_backward_us(t_dw_us, t_dy_us)
+    return (float(forward_us) + cheapest_us) / float(full_step_us)
