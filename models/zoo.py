@@ -13,12 +13,14 @@ written out in plain torch, following the torchvision / timm definitions layer f
 - ``vit_b16``: ViT-B/16 (patch 16, width 768, depth 12, 12 heads, MLP 3072, pre-norm,
   class token, learned position embedding for ``(input_size // 16) ** 2 + 1`` tokens).
 
-Small models for tests:
+Small models for tests, and the embedded default's architecture:
 
 - ``resnet18s``: ResNet-18 layout (BasicBlock x [2, 2, 2, 2]) with narrow widths 16-32-64-128.
 - ``tiny_cnn``: three conv-BN-ReLU blocks, global average pool, linear head.
 - ``tiny_vit``: patch-embedding conv (patch 8), class token, position embedding, two pre-norm
   encoder blocks (LayerNorm, multi-head attention via MatMul/Softmax, GELU MLP), head.
+- ``default_cnn``: five conv-BN-ReLU blocks, global average pool, linear head (~120k params);
+  pretrained on digits 0-4 it becomes the embedded default model.
 
 Weights are random but deterministic: :func:`build` seeds a private torch RNG state. Linear
 layers applied to token sequences (3-D inputs) use :class:`Dense`, whose kernel is stored as
@@ -354,6 +356,28 @@ class TinyCNN(nn.Module):
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
 
 
+class DefaultCNN(nn.Module):
+    """The embedded default model's architecture: five conv-BN-ReLU blocks (widths
+    24-32-64-64-96, the 3rd and 5th with stride 2), global average pool, linear head (~120k
+    parameters; 3x32x32 input). Pretrained on digits 0-4 by ``models/pretrain_default.py``."""
+
+    WIDTHS = (24, 32, 64, 64, 96)
+    STRIDES = (1, 1, 2, 1, 2)
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        blocks, c = [], 3
+        for w, s in zip(self.WIDTHS, self.STRIDES, strict=True):
+            blocks.append(conv_bn_relu(c, w, stride=s))
+            c = w
+        self.features = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
 # ----------------------------------------------------------------------------- registry
 
 _BUILDERS: dict[str, Callable[[int, int], nn.Module]] = {
@@ -364,6 +388,7 @@ _BUILDERS: dict[str, Callable[[int, int], nn.Module]] = {
     "resnet18s": lambda k, s: ResNet(BasicBlock, [2, 2, 2, 2], [16, 32, 64, 128], k),
     "tiny_cnn": lambda k, s: TinyCNN(k),
     "tiny_vit": lambda k, s: ViT(k, s, patch=8, dim=64, depth=2, heads=2, mlp_dim=128),
+    "default_cnn": lambda k, s: DefaultCNN(k),
 }
 
 #: Every model name :func:`build` accepts; the first four are the paper's (§8).
@@ -372,6 +397,8 @@ NAMES: tuple[str, ...] = tuple(_BUILDERS)
 PAPER_MODELS: tuple[str, ...] = ("resnet50", "vgg16", "mobilenet_v2", "vit_b16")
 #: Small models used by the test suite.
 SMALL_MODELS: tuple[str, ...] = ("resnet18s", "tiny_cnn", "tiny_vit")
+#: Architecture of the embedded default model (``etgraph/assets/default_model.onnx``).
+DEFAULT_MODEL: str = "default_cnn"
 
 
 def build(name: str, num_classes: int, *, input_size: int = 224, seed: int = 0) -> nn.Module:

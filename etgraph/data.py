@@ -1,0 +1,417 @@
+"""Datasets: the embedded digits transfer task and image-folder directories (DESIGN: data).
+
+Two sources, one :class:`Dataset` interface:
+
+- **digits** (default, no download, no scikit-learn at run time): scikit-learn's bundled
+  handwritten digits (1797 grey 8x8 images, values 0-16), stored once in
+  ``etgraph/assets/digits.npz`` by ``models/pretrain_default.py``. The embedded default model is
+  pretrained on classes 0-4; the transfer task here is classes **5-9 relabelled 0-4**, so
+  fine-tuning is genuine transfer learning (the paper's setup, §8: pretrained model, new task,
+  new output layer). Images are upsampled bilinearly to the model's H x W, scaled to [0, 1],
+  grey replicated to C channels and normalised with the digits' own mean/std. **No random
+  flip**: a mirrored digit is a different glyph (or none), so flipping would corrupt the labels.
+- **image folders**: a directory with one sub-folder per class (the layout CUB-200,
+  Oxford-IIIT Pet and Stanford Dogs unpack to). Images are decoded with Pillow at batch time
+  (the paper counts on-device pre-processing as training time, §8), converted to RGB, resized
+  to H x W (bilinear), scaled to [0, 1] and normalised with the ImageNet mean/std; training
+  batches are randomly flipped left-right (paper §8: "random flipping").
+
+The train/validation split is stratified per class and fixed by ``seed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .errors import DataError
+
+log = logging.getLogger(__name__)
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+#: The embedded pretrained default model (small CNN, 3x32x32 -> 5 classes, digits 5-9 task).
+DEFAULT_MODEL_PATH = ASSETS_DIR / "default_model.onnx"
+#: Metadata of the default model: input_shape, num_classes, dataset, pretrain accuracy, seed.
+DEFAULT_MODEL_INFO_PATH = ASSETS_DIR / "default_model.json"
+#: scikit-learn's digits as ``images`` uint8 [1797, 8, 8] (values 0-16) and ``labels`` int64.
+DIGITS_PATH = ASSETS_DIR / "digits.npz"
+
+#: Digit classes the default model is pretrained on, and the transfer task's classes.
+DIGITS_PRETRAIN_CLASSES = (0, 1, 2, 3, 4)
+DIGITS_TRANSFER_CLASSES = (5, 6, 7, 8, 9)
+
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+
+Batch = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class Dataset:
+    """A labelled image dataset split into train and validation parts.
+
+    Batches are ``(x, y)`` with ``x`` float32 ``[B, C, H, W]`` (normalised) and ``y`` int64
+    ``[B]`` in ``[0, num_classes)``. Build one with :func:`load_dataset`.
+
+    Attributes:
+        name: ``"digits"`` or the image folder path.
+        num_classes: number of classes in the data.
+        class_names: one name per label index.
+        input_shape: ``(C, H, W)`` of one image as fed to the model.
+        augment_flip: whether training batches are randomly flipped left-right.
+    """
+
+    name: str
+    class_names: list[str]
+    input_shape: tuple[int, int, int]
+    labels: np.ndarray  # int64 [N], all examples
+    train_index: np.ndarray  # int64 [n_train], indices into labels
+    val_index: np.ndarray  # int64 [n_val]
+    augment_flip: bool
+    _load: object = field(repr=False)  # callable(indices int64 [n]) -> float32 [n, C, H, W]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def n_train(self) -> int:
+        return int(self.train_index.size)
+
+    @property
+    def n_val(self) -> int:
+        return int(self.val_index.size)
+
+    def steps_per_epoch(self, batch_size: int, *, drop_last: bool = True) -> int:
+        """Number of training batches :meth:`train_batches` yields per epoch."""
+        _check_batch_size(batch_size)
+        full, rest = divmod(self.n_train, batch_size)
+        return full if drop_last else full + (rest > 0)
+
+    def _batch(self, index: np.ndarray, rng: np.random.Generator | None) -> Batch:
+        x = self._load(index)
+        if rng is not None and self.augment_flip:
+            flip = rng.random(index.size) < 0.5
+            x[flip] = x[flip, :, :, ::-1]
+        return np.ascontiguousarray(x, dtype=np.float32), self.labels[index].astype(np.int64)
+
+    def train_batches(
+        self, batch_size: int, *, seed: int, drop_last: bool = True
+    ) -> Iterator[Batch]:
+        """Yield one epoch of shuffled training batches.
+
+        Args:
+            batch_size: examples per batch (paper §8: 4).
+            seed: shuffling (and flipping) seed; pass a different value each epoch, e.g.
+                ``run_seed * 1000 + epoch``, for a fresh order that is still reproducible.
+            drop_last: drop the final incomplete batch (keeps the step shape fixed).
+
+        Yields:
+            ``(x float32 [B, C, H, W], y int64 [B])``; random left-right flip if
+            :attr:`augment_flip`.
+
+        Raises:
+            DataError: ``batch_size`` exceeds the training set with ``drop_last``, or an image
+                cannot be decoded (the file is named).
+        """
+        _check_batch_size(batch_size)
+        if drop_last and batch_size > self.n_train:
+            raise DataError(
+                f"dataset {self.name} has {self.n_train} training images, fewer than the batch "
+                f"size {batch_size}: use a smaller --batch-size or add images"
+            )
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(self.train_index)
+        stop = self.steps_per_epoch(batch_size, drop_last=drop_last) * batch_size
+        for start in range(0, min(stop, order.size), batch_size):
+            yield self._batch(order[start : start + batch_size], rng)
+
+    def val_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Yield the validation set in a fixed order, unaugmented; the last batch may be short.
+
+        Yields:
+            ``(x float32 [b, C, H, W], y int64 [b])`` with ``b <= batch_size``.
+        """
+        _check_batch_size(batch_size)
+        for start in range(0, self.n_val, batch_size):
+            yield self._batch(self.val_index[start : start + batch_size], None)
+
+    def probe_batch(self, batch_size: int, seed: int) -> Batch:
+        """A reproducible random training batch (without replacement), pre-processed like a
+        training batch; used to evaluate tensor importance (paper §4).
+
+        Returns:
+            ``(x float32 [b, C, H, W], y int64 [b])`` with ``b = min(batch_size, n_train)``.
+        """
+        _check_batch_size(batch_size)
+        rng = np.random.default_rng(seed)
+        index = rng.choice(self.train_index, size=min(batch_size, self.n_train), replace=False)
+        return self._batch(index, rng)
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise DataError(f"batch size must be >= 1, got {batch_size}")
+
+
+def _stratified_split(
+    labels: np.ndarray, val_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices per class: ``round(val_fraction * n_c)`` of class c go to validation
+    (at least one when the class has >= 2 examples and ``val_fraction > 0``)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"validation fraction must be in [0, 1), got {val_fraction}")
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_val = int(round(val_fraction * idx.size))
+        if val_fraction > 0 and idx.size >= 2:
+            n_val = min(max(n_val, 1), idx.size - 1)
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def _check_num_classes(name: str, n_data: int, num_classes: int | None) -> None:
+    if num_classes is not None and n_data > num_classes:
+        raise DataError(
+            f"dataset {name} has {n_data} classes but the model outputs {num_classes}: "
+            "use a model with a wider output layer or fewer class folders"
+        )
+
+
+def _check_input_shape(input_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    shape = tuple(int(v) for v in input_shape)
+    if len(shape) != 3 or shape[0] not in (1, 3) or min(shape[1:]) < 1:
+        raise DataError(f"input shape must be (C, H, W) with C 1 or 3, got {input_shape}")
+    return shape  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- digits
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The embedded digits: images uint8 ``[1797, 8, 8]`` (0-16) and labels int64 ``[1797]``.
+
+    Raises:
+        DataError: ``etgraph/assets/digits.npz`` is missing (reinstall etgraph).
+    """
+    if not DIGITS_PATH.is_file():
+        raise DataError(
+            f"{DIGITS_PATH} is missing: reinstall etgraph or run models/pretrain_default.py"
+        )
+    with np.load(DIGITS_PATH) as npz:
+        return npz["images"], npz["labels"].astype(np.int64)
+
+
+def digits_images(images: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Upsample 8x8 digits (0-16) bilinearly to ``size = (H, W)`` and scale to [0, 1].
+
+    Returns:
+        float32 ``[N, H, W]``.
+    """
+    h, w = size
+    out = np.empty((images.shape[0], h, w), dtype=np.float32)
+    for i, img in enumerate(images.astype(np.float32) / 16.0):
+        out[i] = np.asarray(Image.fromarray(img).resize((w, h), Image.BILINEAR))
+    return out
+
+
+def load_digits_task(
+    classes: tuple[int, ...] = DIGITS_TRANSFER_CLASSES,
+    *,
+    input_shape: tuple[int, int, int],
+    val_fraction: float = 0.2,
+    seed: int = 0,
+) -> Dataset:
+    """The digits restricted to ``classes``, relabelled ``0..len(classes)-1`` in that order.
+
+    Normalisation uses the mean/std of the upsampled pixels of the selected classes; there is
+    no flip augmentation (mirrored digits are different glyphs). ``models/pretrain_default.py``
+    uses ``DIGITS_PRETRAIN_CLASSES``; :func:`load_dataset` uses ``DIGITS_TRANSFER_CLASSES``.
+
+    Raises:
+        DataError: bad input shape or classes, or the embedded file is missing.
+    """
+    c, h, w = _check_input_shape(input_shape)
+    images, labels = load_digits_arrays()
+    if not classes or any(k not in range(10) for k in classes) or len(set(classes)) != len(classes):
+        raise DataError(f"digit classes must be distinct values in 0-9, got {classes}")
+    keep = np.isin(labels, classes)
+    relabel = {k: i for i, k in enumerate(classes)}
+    task_labels = np.array([relabel[int(k)] for k in labels[keep]], dtype=np.int64)
+    pixels = digits_images(images[keep], (h, w))
+    mean, std = float(pixels.mean()), float(pixels.std())
+    pixels = (pixels - mean) / std
+
+    def load(index: np.ndarray) -> np.ndarray:
+        return np.repeat(pixels[index][:, None], c, axis=1)
+
+    train, val = _stratified_split(task_labels, val_fraction, seed)
+    return Dataset(
+        name="digits",
+        class_names=[str(k) for k in classes],
+        input_shape=(c, h, w),
+        labels=task_labels,
+        train_index=train,
+        val_index=val,
+        augment_flip=False,
+        _load=load,
+    )
+
+
+# ----------------------------------------------------------------------------- image folders
+
+
+def _scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
+    """Class names (sorted sub-folder names), image files and their labels under ``root``."""
+    if not root.exists():
+        raise DataError(
+            f"dataset directory {root} does not exist: pass --data an existing directory"
+        )
+    if not root.is_dir():
+        raise DataError(
+            f"dataset {root} is not a directory: pass a folder with one sub-folder per class"
+        )
+    subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not subdirs:
+        if any(p.is_file() for p in root.iterdir()):
+            raise DataError(
+                f"dataset directory {root} has no class sub-folders: put each class's images "
+                "in its own sub-folder (root/<class>/<image>)"
+            )
+        raise DataError(
+            f"dataset directory {root} is empty: add one sub-folder of images per class"
+        )
+    files: list[Path] = []
+    labels: list[int] = []
+    for label, d in enumerate(subdirs):
+        imgs = sorted(
+            p
+            for p in d.rglob("*")
+            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+        )
+        if not imgs:
+            raise DataError(
+                f"class folder {d} has no images ({', '.join(sorted(IMAGE_EXTENSIONS))}): "
+                "add images or remove the folder"
+            )
+        files += imgs
+        labels += [label] * len(imgs)
+    return [d.name for d in subdirs], files, np.array(labels, dtype=np.int64)
+
+
+def _decode(path: Path, size: tuple[int, int], mode: str) -> np.ndarray:
+    """Decode one image to float32 ``[H, W, C]`` in [0, 1] (RGB or grey), resized bilinearly."""
+    h, w = size
+    try:
+        with Image.open(path) as img:
+            img = img.convert(mode).resize((w, h), Image.BILINEAR)
+            arr = np.asarray(img, dtype=np.float32) / 255.0
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise DataError(f"cannot read image {path}: {exc}; remove or replace the file") from exc
+    return arr[:, :, None] if arr.ndim == 2 else arr
+
+
+def load_image_folder(
+    root: str | os.PathLike,
+    *,
+    input_shape: tuple[int, int, int],
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    check_images: bool = True,
+) -> Dataset:
+    """An image-folder dataset: ``root/<class>/<image>``; labels follow sorted folder names.
+
+    Args:
+        root: dataset directory.
+        input_shape: ``(C, H, W)``; C = 3 (RGB) or 1 (grey).
+        val_fraction: fraction of each class held out for validation.
+        seed: split seed.
+        check_images: open every file's header now, so an unreadable file fails at load time
+            rather than mid-training (decoding happens per batch).
+
+    Raises:
+        DataError: directory missing, empty, without class sub-folders, a class without images,
+            or an unreadable image (the file is named).
+    """
+    c, h, w = _check_input_shape(input_shape)
+    root = Path(root)
+    class_names, files, labels = _scan_image_folder(root)
+    if check_images:
+        for p in files:
+            try:
+                with Image.open(p) as img:
+                    img.verify()
+            except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
+                raise DataError(
+                    f"cannot read image {p}: {exc}; remove or replace the file"
+                ) from exc
+    mode = "RGB" if c == 3 else "L"
+    mean = IMAGENET_MEAN if c == 3 else IMAGENET_MEAN.mean(keepdims=True)
+    std = IMAGENET_STD if c == 3 else IMAGENET_STD.mean(keepdims=True)
+
+    def load(index: np.ndarray) -> np.ndarray:
+        x = np.stack([_decode(files[i], (h, w), mode) for i in index])  # [n, H, W, C]
+        x = (x - mean) / std
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2), dtype=np.float32)
+
+    train, val = _stratified_split(labels, val_fraction, seed)
+    log.info(
+        "image folder %s: %d classes, %d train, %d val",
+        root,
+        len(class_names),
+        train.size,
+        val.size,
+    )
+    return Dataset(
+        name=str(root),
+        class_names=class_names,
+        input_shape=(c, h, w),
+        labels=labels,
+        train_index=train,
+        val_index=val,
+        augment_flip=True,
+        _load=load,
+    )
+
+
+def load_dataset(
+    spec: str | os.PathLike | None,
+    *,
+    input_shape: tuple[int, int, int],
+    num_classes: int | None = None,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+) -> Dataset:
+    """Load the dataset named by ``spec`` for a model with the given input shape.
+
+    Args:
+        spec: ``None`` or ``"digits"`` for the embedded transfer task (digits 5-9 as labels
+            0-4); otherwise an image-folder directory (one sub-folder per class).
+        input_shape: the model's ``(C, H, W)``; images are resized to H x W.
+        num_classes: the model's output width; the data may not have more classes.
+        val_fraction: fraction of each class held out for validation, in [0, 1).
+        seed: train/validation split seed.
+
+    Returns:
+        A :class:`Dataset`.
+
+    Raises:
+        DataError: see :func:`load_image_folder`; or the data has more classes than
+            ``num_classes``.
+    """
+    if spec is None or str(spec) == "digits":
+        ds = load_digits_task(input_shape=input_shape, val_fraction=val_fraction, seed=seed)
+    else:
+        ds = load_image_folder(spec, input_shape=input_shape, val_fraction=val_fraction, seed=seed)
+    _check_num_classes(ds.name, ds.num_classes, num_classes)
+    return ds
