@@ -143,6 +143,7 @@ def export_onnx(
             )
         onnx.checker.check_model(model)
         onnx.save(model, str(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
