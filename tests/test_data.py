@@ -1,0 +1,202 @@
+"""Datasets: the embedded digits transfer task and image-folder directories."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from etgraph import data
+from etgraph.data import IMAGENET_MEAN, IMAGENET_STD, load_dataset
+from etgraph.errors import DataError
+
+SHAPE = (3, 32, 32)
+
+
+# ----------------------------------------------------------------------------- digits
+
+
+def test_digits_transfer_task_shapes_and_classes():
+    ds = load_dataset(None, input_shape=SHAPE, num_classes=5)
+    assert ds.name == "digits"
+    assert ds.num_classes == 5 and ds.class_names == ["5", "6", "7", "8", "9"]
+    _, labels = data.load_digits_arrays()
+    assert ds.n_train + ds.n_val == int(np.isin(labels, data.DIGITS_TRANSFER_CLASSES).sum())
+    assert 0.18 < ds.n_val / (ds.n_train + ds.n_val) < 0.22
+    x, y = next(ds.train_batches(4, seed=0))
+    assert x.shape == (4, *SHAPE) and x.dtype == np.float32
+    assert y.shape == (4,) and y.dtype == np.int64
+    assert set(np.unique(ds.labels)) == set(range(5))
+    # grey replicated to 3 channels
+    np.testing.assert_array_equal(x[:, 0], x[:, 1])
+    assert ds.steps_per_epoch(4) == ds.n_train // 4
+    assert sum(1 for _ in ds.train_batches(4, seed=0)) == ds.n_train // 4
+
+
+def test_digits_relabel_matches_source_digits():
+    """Label 0 of the transfer task is digit 5: its images equal the pretraining pipeline's
+    images of digit 5 (same resize), and the pretraining task uses digits 0-4."""
+    images, labels = data.load_digits_arrays()
+    assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 16
+    pre = data.load_digits_task(data.DIGITS_PRETRAIN_CLASSES, input_shape=SHAPE)
+    assert pre.class_names == ["0", "1", "2", "3", "4"]
+    assert pre.n_train + pre.n_val == int(np.isin(labels, range(5)).sum())
+
+
+def test_digits_split_is_disjoint_stratified_and_deterministic():
+    a = load_dataset("digits", input_shape=SHAPE, seed=0)
+    b = load_dataset("digits", input_shape=SHAPE, seed=0)
+    c = load_dataset("digits", input_shape=SHAPE, seed=1)
+    assert not set(a.train_index) & set(a.val_index)
+    assert a.n_train + a.n_val == a.labels.size
+    np.testing.assert_array_equal(a.val_index, b.val_index)
+    assert not np.array_equal(a.val_index, c.val_index)
+    assert set(np.unique(a.labels[a.val_index])) == set(range(5))
+    xa, ya = next(a.train_batches(8, seed=5))
+    xb, yb = next(b.train_batches(8, seed=5))
+    np.testing.assert_array_equal(xa, xb)
+    np.testing.assert_array_equal(ya, yb)
+    x6, _ = next(a.train_batches(8, seed=6))
+    assert not np.array_equal(xa, x6), "a different epoch seed must reorder the data"
+    px, py = a.probe_batch(4, seed=9)
+    qx, qy = a.probe_batch(4, seed=9)
+    np.testing.assert_array_equal(px, qx)
+    np.testing.assert_array_equal(py, qy)
+
+
+def test_digits_are_normalised_and_never_flipped():
+    ds = load_dataset(None, input_shape=SHAPE)
+    assert ds.augment_flip is False
+    everything = ds._load(np.arange(ds.labels.size))
+    assert abs(float(everything.mean())) < 1e-3 and abs(float(everything.std()) - 1) < 1e-3
+    # a training batch holds exactly the stored (unflipped) images, in shuffled order
+    order = np.random.default_rng(3).permutation(ds.train_index)[:16]
+    x, _ = next(ds.train_batches(16, seed=3))
+    np.testing.assert_array_equal(x, ds._load(order))
+
+
+def test_val_batches_cover_validation_set_once():
+    ds = load_dataset(None, input_shape=(1, 16, 16))
+    batches = list(ds.val_batches(50))
+    assert sum(len(y) for _, y in batches) == ds.n_val
+    assert batches[0][0].shape == (50, 1, 16, 16)
+    np.testing.assert_array_equal(np.concatenate([y for _, y in batches]), ds.labels[ds.val_index])
+
+
+# ----------------------------------------------------------------------------- image folders
+
+
+def make_folder(root, classes=("cat", "dog", "eel"), per_class=5, size=(12, 10)):
+    """Tiny PNGs: class i is a solid colour with a white left column (so flips show)."""
+    for i, name in enumerate(classes):
+        d = root / name
+        d.mkdir(parents=True)
+        for j in range(per_class):
+            arr = np.zeros((size[1], size[0], 3), dtype=np.uint8)
+            arr[..., i % 3] = 200
+            arr[:, 0] = 255
+            Image.fromarray(arr).save(d / f"img{j}.png")
+    return root
+
+
+def test_image_folder_loads_classes_shapes_and_normalisation(tmp_path):
+    root = make_folder(tmp_path / "ds")
+    (root / ".hidden").mkdir()
+    (root / "cat" / "notes.txt").write_text("not an image")
+    ds = load_dataset(str(root), input_shape=(3, 8, 8), num_classes=10, val_fraction=0.2)
+    assert ds.class_names == ["cat", "dog", "eel"]
+    assert ds.n_train == 12 and ds.n_val == 3
+    assert ds.augment_flip is True
+    x, y = next(ds.val_batches(3))
+    assert x.shape == (3, 3, 8, 8) and x.dtype == np.float32
+    np.testing.assert_array_equal(y, [0, 1, 2])
+    # interior pixel of class 0: R = 200/255, G = B = 0, ImageNet-normalised
+    expected = (np.array([200 / 255, 0, 0], dtype=np.float32) - IMAGENET_MEAN) / IMAGENET_STD
+    np.testing.assert_allclose(x[0, :, 4, 4], expected, atol=1e-5)
+
+
+def test_image_folder_flips_only_training_batches(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a",), per_class=8, size=(8, 8))
+    ds = load_dataset(root, input_shape=(3, 8, 8))
+    white = (1.0 - IMAGENET_MEAN[1]) / IMAGENET_STD[1]
+    for x, _ in ds.val_batches(8):
+        assert np.allclose(x[:, 1, :, 0], white) and not np.allclose(x[:, 1, :, -1], white)
+    # training images carry their white column on the left (unflipped) or right (flipped)
+    left = right = 0
+    for seed in range(5):
+        for x, _ in ds.train_batches(2, seed=seed):
+            for img in x:
+                left += bool(np.allclose(img[1, :, 0], white, atol=1e-5))
+                right += bool(np.allclose(img[1, :, -1], white, atol=1e-5))
+    assert left > 0 and right > 0 and left + right == 5 * (ds.n_train // 2) * 2
+
+
+def test_grey_input_shape(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=3)
+    ds = load_dataset(root, input_shape=(1, 6, 6))
+    x, _ = next(ds.train_batches(2, seed=0))
+    assert x.shape == (2, 1, 6, 6)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset(tmp_path / "nope", input_shape=SHAPE)
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="is empty"):
+        load_dataset(tmp_path / "empty", input_shape=SHAPE)
+
+
+def test_no_class_subfolders(tmp_path):
+    root = tmp_path / "flat"
+    root.mkdir()
+    Image.new("RGB", (4, 4)).save(root / "a.png")
+    with pytest.raises(DataError, match="no class sub-folders"):
+        load_dataset(root, input_shape=SHAPE)
+
+
+def test_class_folder_without_images(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a",), per_class=2)
+    (root / "b").mkdir()
+    with pytest.raises(DataError, match="has no images"):
+        load_dataset(root, input_shape=SHAPE)
+
+
+def test_unreadable_image_names_the_file(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=2)
+    bad = root / "b" / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    with pytest.raises(DataError, match="broken.png"):
+        load_dataset(root, input_shape=SHAPE)
+
+
+def test_truncated_image_fails_at_batch_time_with_file_name(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a",), per_class=2)
+    good = (root / "a" / "img0.png").read_bytes()
+    (root / "a" / "img1.png").write_bytes(good[: len(good) // 2])
+    ds = data.load_image_folder(root, input_shape=SHAPE, check_images=False, val_fraction=0)
+    with pytest.raises(DataError, match="img1.png"):
+        list(ds.train_batches(2, seed=0))
+
+
+def test_more_classes_than_model_outputs(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a", "b", "c"), per_class=2)
+    with pytest.raises(DataError, match="3 classes but the model outputs 2"):
+        load_dataset(root, input_shape=SHAPE, num_classes=2)
+    with pytest.raises(DataError, match="5 classes but the model outputs 4"):
+        load_dataset(None, input_shape=SHAPE, num_classes=4)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(DataError, match="input shape"):
+        load_dataset(None, input_shape=(4, 32, 32))
+    with pytest.raises(DataError, match="validation fraction"):
+        load_dataset(None, input_shape=SHAPE, val_fraction=1.0)
+    ds = load_dataset(make_folder(tmp_path / "ds", classes=("a",), per_class=3), input_shape=SHAPE)
+    with pytest.raises(DataError, match="fewer than the batch size"):
+        next(ds.train_batches(8, seed=0))
