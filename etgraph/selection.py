@@ -149,29 +149,21 @@ def _discretise(t_dw, t_dy, budget, resolution):
     """
     if resolution is not None and (int(resolution) != resolution or resolution < 1):
         raise ConfigError(f"resolution must be a positive integer, got {resolution}")
-    finite = math.isfinite(budget)
-    if resolution is None or budget <= 0 or not finite:
-        unit = 1.0
-    else:
-        unit = budget / int(resolution)
-    w_dw = np.ceil(t_dw / unit).astype(np.int64)
-    w_dy = np.ceil(t_dy / unit).astype(np.int64)
-    total_units = int(w_dw.sum() + w_dy.sum())
-    if budget < 0:
-        budget_units = -1
-    elif not finite:
-        budget_units = total_units
-    elif resolution is None or budget == 0:
-        budget_units = min(math.floor(budget), total_units)
-    else:
-        budget_units = int(resolution)
+    exact = resolution is None or budget <= 0 or not math.isfinite(budget)
+    unit = 1.0 if exact else budget / int(resolution)
+    units_dw = np.ceil(t_dw / unit)  # float: may be huge when the unit is tiny
+    units_dy = np.ceil(t_dy / unit)
     # Beyond the cost of full training the budget changes nothing: cap the table there.
-    budget_units = min(budget_units, total_units)
-    if budget_units > MAX_TABLE_UNITS:
+    table_units = min(budget if exact else int(resolution), float(units_dw.sum() + units_dy.sum()))
+    if table_units > MAX_TABLE_UNITS:
         raise ConfigError(
-            f"budget of {budget_units} time units is too large for an exact DP table "
+            f"budget of {table_units:.0f} time units is too large for an exact DP table "
             f"(limit {MAX_TABLE_UNITS}); pass resolution= (e.g. 10000)"
         )
+    budget_units = math.floor(table_units) if budget >= 0 else -1
+    # A timing above the budget never fits; clipping it to budget + 1 keeps int64 sums exact.
+    w_dw = np.minimum(units_dw, budget_units + 1).astype(np.int64)
+    w_dy = np.minimum(units_dy, budget_units + 1).astype(np.int64)
     return w_dw, w_dy, budget_units
 
 
@@ -227,18 +219,20 @@ def _dp_sweep(w_dw: np.ndarray, w_dy: np.ndarray, imp: np.ndarray, budget: int):
     added_w = 0  # total weight of the items in the table
     taken: dict[int, tuple[int, int, np.ndarray | None]] = {}  # item -> (w, L, packed bits)
 
+    # Python scalars: the loop body is a handful of numpy calls, scalar indexing would dominate.
+    cap_l, need_l, w_l, imp_l = cap.tolist(), need.tolist(), w_dw.tolist(), imp.tolist()
     best_value, best_e = -np.inf, -1
     for e in range(n - 1, -1, -1):
-        if cap[e] >= 0:
-            value = imp[e] + table[min(int(cap[e]), length - 1)]
+        if cap_l[e] >= 0:
+            value = imp_l[e] + table[min(cap_l[e], length - 1)]
             if value > best_value:
                 best_value, best_e = value, e
-        if e == 0 or need[e - 1] < 0:
+        if e == 0 or need_l[e - 1] < 0:
             break  # no earlier tensor can be the earliest selected one
-        if imp[e] <= 0:
+        if imp_l[e] <= 0:
             continue
-        w, v = int(w_dw[e]), float(imp[e])
-        new_length = min(int(need[e - 1]), added_w + w) + 1
+        w, v = w_l[e], imp_l[e]
+        new_length = min(need_l[e - 1], added_w + w) + 1
         if new_length > length:  # the table grew: the tail holds "every item fits"
             table[length:new_length] = table[length - 1]
         length = new_length
