@@ -1,0 +1,634 @@
+"""The tensor-level backward graph (paper §5; DESIGN: TensorGraph).
+
+* :func:`trainable_tensors` — the tensors the DP selects among, in forward order (index 0 nearest
+  the input), with their kind (kernel, bias, gamma, beta, embedding).
+* :func:`build_tensor_graph` — ORT's training graph (all tensors trainable) as a networkx DiGraph
+  of tensor nodes and op nodes, charged by the passes in :mod:`passes` so that every backward op
+  lands on exactly one tensor's ``t_dw`` or ``t_dy`` (or on forward / loss).
+* :func:`charges`, :func:`tensor_table` — what the profiler and the CLI read from it.
+* :func:`write_graph` / :func:`read_graph` — node-link JSON (lossless), GraphML, Graphviz DOT.
+
+The graph layout (node ids, attributes, edge kinds) is documented in :mod:`passes`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import onnx
+
+from passes import (
+    default_pass_manager,
+    op_id,
+    op_nodes,
+    op_rule,
+    tensor_id,
+    tensor_nodes,
+)
+
+from .errors import ConfigError, ModelError
+from .onnx_io import INPUT_NAME, OUTPUT_NAME, data_path_values, model_hash
+
+log = logging.getLogger(__name__)
+
+TENSOR_KINDS = ("kernel", "bias", "gamma", "beta", "embedding")
+CHARGE_KINDS = ("dw", "dy", "split", "forward", "loss")
+GRAPH_FORMATS = ("json", "graphml", "dot")
+
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.BFLOAT16,
+}
+
+
+@dataclass
+class TensorInfo:
+    """One trainable tensor.
+
+    Attributes:
+        index: position in forward order (0 nearest the input).
+        name: initializer name in the ONNX model.
+        kind: ``kernel``, ``bias``, ``gamma``, ``beta`` or ``embedding``.
+        layer: name of the ONNX node that applies the tensor to the data (for a MatMul+Add bias:
+            the MatMul).
+        op_type: that node's op type.
+        shape: initializer shape.
+        params: number of elements.
+        values: value names that carry the tensor into its layer (its name, then the outputs of
+            weight-preprocessing nodes such as ``Transpose(W)``).
+    """
+
+    index: int
+    name: str
+    kind: str
+    layer: str
+    op_type: str
+    shape: tuple[int, ...]
+    params: int
+    values: tuple[str, ...] = field(default=())
+
+
+def _float_initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {i.name: i for i in model.graph.initializer if i.data_type in _FLOAT_TYPES}
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[int, int]]]:
+    """value name -> [(node position, input slot)] in graph order."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for pos, node in enumerate(graph.node):
+        for slot, name in enumerate(node.input):
+            if name:
+                out.setdefault(name, []).append((pos, slot))
+    return out
+
+
+def _input_values(graph: onnx.GraphProto) -> set[str]:
+    """Values computed from the graph input through differentiable inputs (the data path)."""
+    return data_path_values(graph, from_initializers=False)
+
+
+def _locate(
+    model: onnx.ModelProto,
+) -> tuple[dict[str, tuple[int, int, tuple[str, ...]]], set[str]]:
+    """For every float initializer that reaches the data path through differentiable inputs:
+    (position of the node mixing it into the data path, input slot there, carrying values).
+    Also returns the names of running statistics (BN mean/var slots)."""
+    graph = model.graph
+    consumers = _consumers(graph)
+    data = _input_values(graph)
+    found: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+    stats: set[str] = set()
+    for name, init in _float_initializers(model).items():
+        frontier, carrying, best = [name], [name], None
+        seen = {name}
+        while frontier:
+            value = frontier.pop()
+            for pos, slot in consumers.get(value, []):
+                node = graph.node[pos]
+                rule = op_rule(node.op_type)
+                if slot in rule.stat_slots:
+                    stats.add(name)
+                    continue
+                if slot in rule.nondiff_slots or not rule.differentiable:
+                    continue
+                if any(o in data for o in node.output):
+                    if best is None or (pos, slot) < best:
+                        best = (pos, slot)
+                    continue
+                for out in node.output:  # weight preprocessing (Transpose, Reshape, Expand ...)
+                    if out and out not in seen:
+                        seen.add(out)
+                        frontier.append(out)
+                        carrying.append(out)
+        if best is None:
+            continue
+        numel = int(np.prod(init.dims)) if init.dims else 1
+        rule = op_rule(graph.node[best[0]].op_type)
+        if best[1] not in rule.weight_slots and numel <= 1:
+            continue  # a scalar constant (x * 0.5, x + eps), not a tensor worth training
+        found[name] = (best[0], best[1], tuple(carrying))
+    return found, stats
+
+
+def trainable_tensors(model: onnx.ModelProto) -> list[TensorInfo]:
+    """The trainable tensors of ``model`` in forward order (shared design: "Trainable tensors").
+
+    A float initializer is trainable when it reaches the data path through differentiable op
+    inputs (registry :data:`passes.OP_RULES`); its *layer* is the node where it meets the data
+    (after weight preprocessing such as Transpose). Kind by the layer's op type and input slot:
+    Conv/ConvTranspose/Gemm/MatMul kernel and bias, BatchNormalization/LayerNormalization/
+    GroupNormalization gamma and beta, Gather data -> embedding; an initializer added right after
+    a MatMul/Gemm/Conv that has a kernel is that layer's bias; any other non-scalar float
+    initializer on the data path (cls token, position embedding) is an embedding. Excluded:
+    running statistics, integer/shape constants, scalar float constants, anything only feeding
+    shapes.
+
+    Order: position of the layer node in the (topological) node order, then input slot.
+
+    Raises:
+        ModelError: no trainable tensor at all.
+    """
+    graph = model.graph
+    located, _ = _locate(model)
+    inits = _float_initializers(model)
+    producer = {o: pos for pos, node in enumerate(graph.node) for o in node.output if o}
+    kernel_layers = {
+        pos for pos, slot, _ in located.values() if op_rule(graph.node[pos].op_type).weight_slots
+    }
+    rows = []
+    for name, (pos, slot, carrying) in located.items():
+        node = graph.node[pos]
+        rule = op_rule(node.op_type)
+        kind, layer = rule.weight_slots.get(slot, "embedding"), node
+        if node.op_type == "MatMul" or (node.op_type == "Gemm" and slot in (0, 1)):
+            kind = "kernel"
+        if kind == "embedding" and node.op_type == "Add":
+            other = [v for i, v in enumerate(node.input) if i != slot]
+            src = producer.get(other[0]) if len(other) == 1 else None
+            if (
+                src is not None
+                and src in kernel_layers
+                and op_rule(graph.node[src].op_type).family == "conv_dense"
+            ):
+                kind, layer = "bias", graph.node[src]
+        init = inits[name]
+        shape = tuple(int(d) for d in init.dims)
+        rows.append((pos, slot, name, kind, layer.name, layer.op_type, shape, carrying))
+    if not rows:
+        raise ModelError(
+            "the model has no trainable tensors (no float initializer reaches the data path); "
+            "export it with its weights as initializers (do_constant_folding=False)"
+        )
+    rows.sort(key=lambda r: (r[0], r[1]))
+    return [
+        TensorInfo(
+            index=i,
+            name=name,
+            kind=kind,
+            layer=layer,
+            op_type=op_type,
+            shape=shape,
+            params=int(np.prod(shape)) if shape else 1,
+            values=carrying,
+        )
+        for i, (_, _, name, kind, layer, op_type, shape, carrying) in enumerate(rows)
+    ]
+
+
+def running_statistics(model: onnx.ModelProto) -> list[str]:
+    """Names of BatchNormalization running mean/var initializers, in graph order.
+
+    They are updated by the training graph but never trained: pass them as ``frozen_params`` to
+    :func:`etgraph.artifacts.generate` so they stay in the checkpoint.
+    """
+    _, stats = _locate(model)
+    return [i.name for i in model.graph.initializer if i.name in stats]
+
+
+# ---- the tensor graph ----
+
+
+def _roles(training: onnx.ModelProto, forward_names: set[str]) -> list[str]:
+    """Role of every node of the training graph: forward, loss, accumulate or backward.
+
+    forward: the node is an ancestor of ``logits`` (or keeps a forward node's name);
+    loss: an ancestor of the loss output (training graph output 0) that is not forward;
+    accumulate: registry family ``accumulate`` (ORT's per-parameter gradient accumulators);
+    backward: everything else (gradient ops, including ORT's early Shape/Size helpers).
+    """
+    nodes = training.graph.node
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+
+    def ancestors(value: str) -> set[int]:
+        out: set[int] = set()
+        stack = [producer[value]] if value in producer else []
+        while stack:
+            i = stack.pop()
+            if i in out:
+                continue
+            out.add(i)
+            stack.extend(producer[v] for v in nodes[i].input if v in producer)
+        return out
+
+    forward = ancestors(OUTPUT_NAME) | {i for i, n in enumerate(nodes) if n.name in forward_names}
+    loss = ancestors(training.graph.output[0].name) - forward
+    roles = []
+    for i, node in enumerate(nodes):
+        if i in forward:
+            roles.append("forward")
+        elif i in loss:
+            roles.append("loss")
+        elif op_rule(node.op_type).family == "accumulate":
+            roles.append("accumulate")
+        else:
+            roles.append("backward")
+    return roles
+
+
+def _training_model(
+    model: onnx.ModelProto,
+    tensors: list[TensorInfo],
+    training_model: onnx.ModelProto | str | os.PathLike | None,
+    work_dir: str | os.PathLike | None,
+) -> onnx.ModelProto:
+    if isinstance(training_model, onnx.ModelProto):
+        return training_model
+    if training_model is not None:
+        return onnx.load(str(training_model))
+    from .artifacts import generate
+
+    requires_grad = [t.name for t in tensors]
+    frozen = running_statistics(model)
+    if work_dir is not None:
+        paths = generate(model, requires_grad, frozen, Path(work_dir) / "all_trainable")
+        return onnx.load(str(paths.training_model))
+    with tempfile.TemporaryDirectory(prefix="etgraph-graph-") as tmp:
+        paths = generate(model, requires_grad, frozen, Path(tmp) / "all_trainable")
+        return onnx.load(str(paths.training_model))
+
+
+def build_tensor_graph(
+    model: onnx.ModelProto,
+    *,
+    training_model: onnx.ModelProto | str | os.PathLike | None = None,
+    work_dir: str | os.PathLike | None = None,
+) -> nx.DiGraph:
+    """Build the charged tensor-level backward graph of ``model`` (paper §5).
+
+    Args:
+        model: a legalised forward model (:func:`etgraph.onnx_io.load_model`).
+        training_model: ORT's ``training_model.onnx`` for ``model`` with *all* trainable tensors
+            trainable (ModelProto or path); generated with :func:`etgraph.artifacts.generate`
+            when omitted (seconds for small models, ~2-8 s for ResNet50/ViT-B/16).
+        work_dir: where to keep the generated artifacts (``<work_dir>/all_trainable``); a
+            temporary directory is used and removed when omitted.
+
+    Returns:
+        DiGraph with tensor and op nodes (layout in :mod:`passes`), every op charged; graph
+        attributes ``model_hash``, ``tensor_order`` (names by index), ``num_tensors``,
+        ``num_ops``. Tensor nodes carry ``t_dw_us``, ``t_dy_us``, ``importance``, ``selected``
+        = None for later stages to fill.
+
+    Raises:
+        ModelError: no trainable tensors; ORT cannot build the training graph; a tensor gets no
+            gradient in the training graph; an op is left uncharged (a bug).
+    """
+    tensors = trainable_tensors(model)
+    training = _training_model(model, tensors, training_model, work_dir)
+    forward_names = {n.name for n in model.graph.node}
+    roles = _roles(training, forward_names)
+
+    graph = nx.DiGraph()
+    graph.graph.update(
+        model_hash=model_hash(model),
+        num_tensors=len(tensors),
+        num_ops=len(training.graph.node),
+        input_name=INPUT_NAME,
+        output_name=OUTPUT_NAME,
+    )
+    for t in tensors:
+        graph.add_node(
+            tensor_id(t.name),
+            node_type="tensor",
+            index=t.index,
+            name=t.name,
+            kind=t.kind,
+            layer=t.layer,
+            op_type=t.op_type,
+            shape=list(t.shape),
+            params=t.params,
+            values=list(t.values),
+            t_dw_us=None,
+            t_dy_us=None,
+            importance=None,
+            selected=None,
+        )
+    producer: dict[str, str] = {}
+    for node, role in zip(training.graph.node, roles):
+        nid = op_id(node.name)
+        if nid in graph:
+            raise ModelError(f"training graph has two nodes named {node.name!r}")
+        graph.add_node(
+            nid,
+            node_type="op",
+            name=node.name,
+            op_type=node.op_type,
+            domain=node.domain,
+            role=role,
+            inputs=list(node.input),
+            outputs=list(node.output),
+            charge=None,
+        )
+        for value in node.output:
+            if value:
+                producer[value] = nid
+    for node, role in zip(training.graph.node, roles):
+        nid = op_id(node.name)
+        for value in node.input:
+            src = producer.get(value)
+            if src is None:
+                continue
+            src_role = graph.nodes[src]["role"]
+            if (src_role == "forward") != (role == "forward"):
+                continue  # saved activations and weights: left out to keep the dumps readable
+            kind = "forward" if role == "forward" else "data"
+            if graph.has_edge(src, nid):
+                if value not in graph.edges[src, nid]["values"]:
+                    graph.edges[src, nid]["values"].append(value)
+            else:
+                graph.add_edge(src, nid, kind=kind, values=[value])
+    for t in tensors:
+        grad = f"{t.name}_grad"
+        src = producer.get(grad)
+        if src is None:
+            raise ModelError(
+                f"tensor {t.name!r} gets no gradient {grad!r} in the training graph; "
+                "it cannot be trained"
+            )
+        graph.add_edge(src, tensor_id(t.name), kind="grad", values=[grad])
+
+    default_pass_manager().run(graph)
+    missing = [n for n in op_nodes(graph) if graph.nodes[n].get("charge") is None]
+    if missing:
+        raise ModelError(f"{len(missing)} ops were left uncharged, e.g. {missing[:3]} (a bug)")
+    log.debug("tensor graph: %d tensors, %d ops", len(tensors), len(training.graph.node))
+    return graph
+
+
+# ---- reading the charges ----
+
+
+@dataclass(frozen=True)
+class Charge:
+    """Where one node of the training graph is charged (shared design: "Charging rule").
+
+    Attributes:
+        node: training-graph node name (as in ORT profile events).
+        op_type: its op type.
+        role: forward, loss, backward or accumulate.
+        kind: ``dw`` (whole op on ``t_dw_us[tensor]``), ``dy`` (on ``t_dy_us[tensor]``),
+            ``split`` (fused ConvGrad: dX part on ``t_dy_us[dy_tensor]``, dW/dB parts on
+            ``t_dw_us`` of ``dw_tensors``; split by measurement), ``forward`` or ``loss``.
+        tensor: tensor name for dw/dy, else None.
+        dy_tensor: for split, the tensor receiving the dX part (None when ORT computes no dX).
+        dw_tensors: for split, the kernel (and bias) receiving the dW (and dB) parts.
+        rule: the pass that decided (linearize/conv_dense/batch_norm/non_trainable).
+    """
+
+    node: str
+    op_type: str
+    role: str
+    kind: str
+    tensor: str | None = None
+    dy_tensor: str | None = None
+    dw_tensors: tuple[str, ...] = ()
+    rule: str = ""
+
+
+def charges(graph: nx.DiGraph) -> dict[str, Charge]:
+    """Charge of every op node of ``graph``, keyed by training-graph node name (graph order).
+
+    Raises:
+        ModelError: an op node has no charge (the graph was not built by :func:`build_tensor_graph`).
+    """
+    out: dict[str, Charge] = {}
+    for n in op_nodes(graph):
+        a = graph.nodes[n]
+        if a.get("charge") not in CHARGE_KINDS:
+            raise ModelError(f"op {a['name']!r} has no charge; rebuild the tensor graph")
+        out[a["name"]] = Charge(
+            node=a["name"],
+            op_type=a["op_type"],
+            role=a["role"],
+            kind=a["charge"],
+            tensor=a.get("charge_tensor"),
+            dy_tensor=a.get("charge_dy_tensor"),
+            dw_tensors=tuple(a.get("charge_dw_tensors") or ()),
+            rule=a.get("rule", ""),
+        )
+    return out
+
+
+TABLE_COLUMNS = (
+    "index",
+    "name",
+    "kind",
+    "layer",
+    "shape",
+    "params",
+    "t_dw_us",
+    "t_dy_us",
+    "importance",
+    "selected",
+)
+
+
+def tensor_table(graph: nx.DiGraph) -> list[dict]:
+    """One row per tensor in forward order with :data:`TABLE_COLUMNS` (None where unknown)."""
+    rows = []
+    for n in tensor_nodes(graph):
+        a = graph.nodes[n]
+        rows.append({c: a.get(c) for c in TABLE_COLUMNS})
+    return rows
+
+
+def coverage(graph: nx.DiGraph) -> dict[str, int]:
+    """Counts of training-graph nodes by charge kind, plus ``total``, ``charged``, and
+    ``prefix_dy`` / ``dy_ops`` (dy-charged backward ops whose D(o) is a prefix {0..max}, the
+    case where the time model is exact; see :mod:`passes.linearize`)."""
+    counts = {k: 0 for k in CHARGE_KINDS}
+    total = charged = prefix = dy_ops = 0
+    for n in op_nodes(graph):
+        a = graph.nodes[n]
+        total += 1
+        if a.get("charge") in counts:
+            counts[a["charge"]] += 1
+            charged += 1
+        if a.get("charge") == "dy" and a.get("d_max") is not None:
+            dy_ops += 1
+            prefix += int(a["d_min"] == 0 and a["d_size"] == a["d_max"] + 1)
+    return {**counts, "total": total, "charged": charged, "dy_ops": dy_ops, "prefix_dy": prefix}
+
+
+# ---- dumps ----
+
+
+def _json_default(obj):
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def _graphml_ready(graph: nx.DiGraph) -> nx.DiGraph:
+    """A copy whose attributes GraphML accepts: one scalar type per key; lists/None as text."""
+
+    def norm(items: Iterable[dict]) -> None:
+        items = list(items)
+        keys = {k for d in items for k in d}
+        for key in keys:
+            kinds = set()
+            for d in items:
+                v = d.get(key)
+                if isinstance(v, np.generic):
+                    d[key] = v = v.item()
+                if isinstance(v, bool):
+                    kinds.add("bool")
+                elif isinstance(v, int):
+                    kinds.add("int")
+                elif isinstance(v, float):
+                    kinds.add("float")
+                elif v is not None:
+                    kinds.add("other")
+            numeric = kinds <= {"int", "float"} and kinds
+            for d in items:
+                if key not in d:
+                    continue
+                v = d[key]
+                if numeric and v is None:
+                    d[key] = math.nan if "float" in kinds else -1
+                elif numeric and "float" in kinds:
+                    d[key] = float(v)
+                elif not numeric and not (kinds == {"bool"} and isinstance(v, bool)):
+                    if v is None:
+                        d[key] = ""
+                    elif not isinstance(v, str):
+                        d[key] = json.dumps(v, default=_json_default)
+                elif kinds == {"bool"} and v is None:
+                    d[key] = ""
+
+    g = graph.copy()
+    norm(d for _, d in g.nodes(data=True))
+    norm(d for _, _, d in g.edges(data=True))
+    g.graph = {
+        k: (v if isinstance(v, (int, float, str)) else json.dumps(v, default=_json_default))
+        for k, v in graph.graph.items()
+        if v is not None
+    }
+    return g
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_ROLE_COLOR = {"backward": "lightblue", "loss": "orange", "accumulate": "lightgrey"}
+
+
+def _write_dot(graph: nx.DiGraph, path: Path) -> None:
+    """Graphviz DOT of the backward view: tensors (boxes, forward order), non-forward ops
+    (ellipses) and their data/charge edges. Forward ops are left out (they are all charged
+    ``forward``); the JSON dump has them."""
+    lines = [
+        "digraph etgraph {",
+        "  rankdir=RL;",
+        '  node [fontname="Helvetica", fontsize=10];',
+        '  edge [fontname="Helvetica", fontsize=8];',
+    ]
+    for n in tensor_nodes(graph):
+        a = graph.nodes[n]
+        label = f"{a['index']}: {a['name']}\\n{a['kind']} {tuple(a['shape'])}"
+        for key in ("t_dw_us", "t_dy_us"):
+            if a.get(key) is not None:
+                label += f"\\n{key}={a[key]:.1f}"
+        fill = "palegreen" if a.get("selected") else "white"
+        lines.append(
+            f'  {_dot_quote(n)} [shape=box, style=filled, fillcolor={fill}, label="{label}"];'
+        )
+    for n in op_nodes(graph):
+        a = graph.nodes[n]
+        if a["role"] == "forward":
+            continue
+        color = _ROLE_COLOR.get(a["role"], "white")
+        label = f"{a['op_type']}\\n[{a.get('charge')}]"
+        lines.append(
+            f"  {_dot_quote(n)} [shape=ellipse, style=filled, fillcolor={color}, "
+            f"label={_dot_quote(label).replace(chr(92) * 2 + 'n', chr(92) + 'n')}, "
+            f"tooltip={_dot_quote(a['name'])}];"
+        )
+    styles = {"chain": "bold", "charge": "dashed", "grad": "dotted", "data": "solid"}
+    for u, v, a in graph.edges(data=True):
+        kind = a.get("kind")
+        if kind not in styles:
+            continue
+        if graph.nodes[u].get("role") == "forward":
+            continue
+        extra = f', label="{a["part"]}"' if kind == "charge" else ""
+        lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)} [style={styles[kind]}{extra}];")
+    lines.append("}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_graph(graph: nx.DiGraph, path: str | os.PathLike, fmt: str = "json") -> Path:
+    """Write ``graph`` to ``path`` as ``json`` (networkx node-link, lossless, :func:`read_graph`
+    reloads it), ``graphml`` (lists/None stringified for Gephi/yEd) or ``dot`` (Graphviz text of
+    the backward view). Returns the path.
+
+    Raises:
+        ConfigError: unknown ``fmt``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "json":
+        data = nx.node_link_data(graph, edges="links")
+        path.write_text(json.dumps(data, default=_json_default, indent=1) + "\n")
+    elif fmt == "graphml":
+        nx.write_graphml(_graphml_ready(graph), str(path))
+    elif fmt == "dot":
+        _write_dot(graph, path)
+    else:
+        raise ConfigError(f"unknown graph format {fmt!r}: use one of {', '.join(GRAPH_FORMATS)}")
+    return path
+
+
+def read_graph(path: str | os.PathLike) -> nx.DiGraph:
+    """Read a tensor graph written by :func:`write_graph` as JSON (``.json``, lossless) or GraphML
+    (``.graphml``; list attributes stay JSON text).
+
+    Raises:
+        ConfigError: the file is missing, unreadable or not a tensor-graph dump.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such graph file")
+    try:
+        if path.suffix == ".graphml":
+            return nx.read_graphml(str(path))
+        data = json.loads(path.read_text())
+        return nx.node_link_graph(data, directed=True, multigraph=False, edges="links")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a tensor-graph dump ({exc})") from exc
