@@ -149,12 +149,15 @@ def _discretise(t_dw, t_dy, budget, resolution):
     """
     if resolution is not None and (int(resolution) != resolution or resolution < 1):
         raise ConfigError(f"resolution must be a positive integer, got {resolution}")
-    exact = resolution is None or budget <= 0 or not math.isfinite(budget)
-    unit = 1.0 if exact else budget / int(resolution)
-    units_dw = np.ceil(t_dw / unit)  # float: may be huge when the unit is tiny
-    units_dy = np.ceil(t_dy / unit)
+    # A budget <= 0, infinite, or too small to split (subnormal) falls back to 1-µs units.
+    scaled = resolution is not None and math.isfinite(budget) and budget / int(resolution) > 0
+    unit = budget / int(resolution) if scaled else 1.0
+    with np.errstate(over="ignore"):  # a tiny unit may give inf units: clipped below
+        units_dw = np.ceil(t_dw / unit)
+        units_dy = np.ceil(t_dy / unit)
+        total_units = float(units_dw.sum() + units_dy.sum())
     # Beyond the cost of full training the budget changes nothing: cap the table there.
-    table_units = min(budget if exact else int(resolution), float(units_dw.sum() + units_dy.sum()))
+    table_units = min(int(resolution) if scaled else budget, total_units)
     if table_units > MAX_TABLE_UNITS:
         raise ConfigError(
             f"budget of {table_units:.0f} time units is too large for an exact DP table "

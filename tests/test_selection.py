@@ -272,6 +272,17 @@ def test_zero_timings_and_nonpositive_importance():
     assert sel.indices.tolist() == [4]  # tensor 5 (-6) or 4 (-5, costs 1 + 2 = 3)
 
 
+def test_tiny_budgets_with_resolution():
+    t_dw = np.array([0.0, 1.0, 0.0])
+    t_dy = np.array([0.0, 2.0, 0.0])
+    importance = np.array([1.0, 5.0, 2.0])
+    for budget in (5e-324, 1e-300, 1e-12, 0.0):
+        sel = select_tensors(t_dw, t_dy, importance, budget, resolution=1000)
+        assert sel.indices.tolist() == [2] and sel.backward_us == 0.0
+    with pytest.raises(InfeasibleBudgetError):
+        select_tensors(np.ones(3), np.ones(3), importance, 1e-300, resolution=1000)
+
+
 def test_unbounded_and_huge_budgets():
     t_dw = np.array([4, 5, 6])
     t_dy = np.array([1, 2, 3])
