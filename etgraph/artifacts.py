@@ -178,6 +178,8 @@ def generate(
                     loss=ort_artifacts.LossType.CrossEntropyLoss,
                     optimizer=onnxblock.optim.AdamW(weight_decay=weight_decay),
                     artifact_directory=str(tmp),
+                    # also output the logits, so training/eval steps give accuracy for free
+                    additional_output_names=[model.graph.output[0].name],
                 )
         except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

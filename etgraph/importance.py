@@ -1,0 +1,254 @@
+"""First-order tensor importance (paper §3.1 Eq. 2 and §4).
+
+The importance of tensor ``k`` is the first-order Taylor estimate of how much one update of its
+weights reduces the training loss::
+
+    I_k = -sum_i g_i * delta_w_i        (g = dL/dw at the current weights, i over tensor k)
+
+``L(w + delta_w) ~= L(w) + sum_i g_i delta_w_i`` (paper Eq. 5), so ``I_k`` is the loss drop
+attributed to tensor ``k``; the terms are additive over tensors, which is what lets the DP of
+Eq. (3) sum importances of a selection. (The paper writes Eq. 2 without the minus sign and takes
+its negative when selecting; here the sign is folded in so that larger = more useful.)
+
+**Which update defines delta_w.** The runtime trains with AdamW (onnxruntime-training 1.19.2 runs
+only AdamW and momentum-less SGD), so delta_w is the update AdamW makes for *all* tensors on the
+probe batch(es), from fresh optimizer state (zero moments, step 1), at the current learning rate
+and the run's weight decay::
+
+    delta_w = -lr * (g / (|g| + eps) + weight_decay * w)    (bias-corrected first step)
+
+so ``I_k ~= lr * (||g_k||_1 + weight_decay * <g_k, w_k>)``. Why not the training optimizer's
+current moments: unselected tensors have none, so tensors would be scored under different update
+rules and the scores would not be comparable. Why not SGD (``delta_w = -lr * g``,
+``I_k = lr * ||g_k||^2``): that is the loss drop of an optimizer we do not train with; under
+AdamW every weight moves by about ``lr`` whatever its gradient scale, and the first AdamW step
+scores tensors by exactly that. The step is a real ORT optimizer step on an all-trainable
+artifacts set (delta_w = weights after - weights before), not a re-implementation.
+
+**Without disturbing training.** The evaluation uses its own artifacts (all tensors trainable,
+cached once), its own CheckpointState, Module and Optimizer, built fresh for every evaluation
+(so the optimizer state is always the zero state above) and discarded afterwards; the training
+session's weights, moments and BatchNorm running statistics are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .artifacts import ArtifactCache, ArtifactPaths
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "tensor_importance",
+    "ImportanceResult",
+    "ImportanceEvaluator",
+    "probe_importance",
+]
+
+
+def tensor_importance(gradients: Sequence[np.ndarray], deltas: Sequence[np.ndarray]) -> np.ndarray:
+    """First-order importance of each tensor, ``I_k = -sum_i g_i * delta_w_i`` (paper Eq. 2, §4).
+
+    Args:
+        gradients: per tensor ``k`` (forward order), ``dL/dw`` at the weights before the update,
+            float array of the tensor's shape.
+        deltas: per tensor ``k``, the weight update ``w_after - w_before``, same shapes.
+
+    Returns:
+        float64 [N]: importance per tensor (loss reduction, in loss units; larger = more useful).
+        Additive: the importance of a selection is the sum over its tensors.
+
+    Raises:
+        ConfigError: the two sequences differ in length, or a pair differs in shape.
+    """
+    if len(gradients) != len(deltas):
+        raise ConfigError(
+            f"{len(gradients)} gradients but {len(deltas)} weight updates: pass one per tensor"
+        )
+    out = np.empty(len(gradients), dtype=np.float64)
+    for k, (g, d) in enumerate(zip(gradients, deltas, strict=True)):
+        g = np.asarray(g, dtype=np.float64)
+        d = np.asarray(d, dtype=np.float64)
+        if g.shape != d.shape:
+            raise ConfigError(
+                f"tensor {k}: gradient shape {g.shape} differs from update shape {d.shape}"
+            )
+        out[k] = -float(np.sum(g * d))
+    return out
+
+
+@dataclass(frozen=True)
+class ImportanceResult:
+    """One importance evaluation.
+
+    Attributes:
+        importance: float64 [N], forward order (see :func:`tensor_importance`).
+        loss: mean training loss over the probe batches at the current weights.
+        cost_s: wall time of the whole evaluation (session creation, steps, read-back), seconds.
+        session_s: part of ``cost_s`` spent loading the checkpoint and creating Module/Optimizer.
+    """
+
+    importance: np.ndarray
+    loss: float
+    cost_s: float
+    session_s: float
+
+
+class ImportanceEvaluator:
+    """Evaluates tensor importance with one AdamW step of all tensors on probe batches (§4).
+
+    Args:
+        model: the forward ONNX model (legalised for training).
+        tensor_names: trainable tensor names in forward order (``graph.trainable_tensors``).
+        frozen_names: other parameters to carry (BatchNorm running statistics).
+        cache: artifact cache; the all-trainable artifacts are generated once and reused.
+        weight_decay: AdamW weight decay, the run's value (it enters delta_w).
+
+    Raises:
+        ModelError: onnxruntime-training cannot build the all-trainable training graph.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        tensor_names: Sequence[str],
+        frozen_names: Sequence[str],
+        cache: ArtifactCache,
+        *,
+        weight_decay: float = 0.01,
+    ):
+        self.tensor_names = list(tensor_names)
+        self.frozen_names = list(frozen_names)
+        t0 = time.perf_counter()
+        self.paths: ArtifactPaths
+        self.paths, hit = cache.get(
+            model, self.tensor_names, self.frozen_names, weight_decay=weight_decay
+        )
+        self.setup_s = time.perf_counter() - t0
+        log.debug("importance artifacts %s (cache hit: %s)", self.paths.directory, hit)
+
+    def evaluate(
+        self,
+        weights: Mapping[str, np.ndarray],
+        batches: Iterable[tuple[np.ndarray, np.ndarray]],
+        learning_rate: float,
+    ) -> ImportanceResult:
+        """Importance at ``weights`` from one AdamW update of all tensors on ``batches``.
+
+        Gradients of all batches are accumulated (ORT accumulates until ``lazy_reset_grad``)
+        and averaged; one optimizer step then gives ``delta_w``. Nothing outside this call's
+        own ORT session changes.
+
+        Args:
+            weights: name -> array for every tensor in ``tensor_names`` and ``frozen_names``
+                (the current training weights, including BatchNorm running statistics).
+            batches: probe batches ``(x float32 [B,C,H,W], y int64 [B])``, at least one.
+            learning_rate: AdamW learning rate of the step (> 0); scales all ``I_k`` equally.
+
+        Returns:
+            An :class:`ImportanceResult`.
+
+        Raises:
+            ConfigError: no batch, a missing weight, or a non-positive learning rate.
+        """
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+        if not learning_rate > 0:
+            raise ConfigError(f"learning rate must be positive, got {learning_rate}")
+        t0 = time.perf_counter()
+        state = CheckpointState.load_checkpoint(str(self.paths.checkpoint))
+        module = Module(str(self.paths.training_model), state)
+        optimizer = Optimizer(str(self.paths.optimizer_model), module)
+        # Write the current weights through zero-copy views, after the Module exists
+        # (assigning parameters[name] = a before a Module exists segfaults in 1.19.2).
+        params = state.parameters
+        for name in self.tensor_names + self.frozen_names:
+            if name not in weights:
+                raise ConfigError(f"no current value for tensor {name!r}")
+            params[name].data[...] = weights[name]
+        session_s = time.perf_counter() - t0
+
+        module.train()
+        before = [params[name].data.copy() for name in self.tensor_names]
+        losses = []
+        for x, y in batches:
+            out = module(x, y)
+            losses.append(float(out[0] if isinstance(out, (tuple, list)) else out))
+        if not losses:
+            raise ConfigError("importance needs at least one probe batch")
+        n = len(losses)
+        gradients = [params[name].grad.copy() / n for name in self.tensor_names]
+        optimizer.set_learning_rate(float(learning_rate))
+        optimizer.step()
+        deltas = [params[name].data - b for name, b in zip(self.tensor_names, before, strict=True)]
+        importance = tensor_importance(gradients, deltas)
+        del optimizer, module, state, params
+        cost_s = time.perf_counter() - t0
+        return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
+
+
+def probe_importance(
+    model: onnx.ModelProto,
+    data: str | None,
+    *,
+    batch_size: int,
+    input_shape: Sequence[int],
+    learning_rate: float = 1e-4,
+    weight_decay: float = 0.01,
+    probe_batches: int = 1,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+) -> np.ndarray:
+    """Importance of every trainable tensor of ``model`` at its current weights (paper Eq. 2).
+
+    Convenience for ``etgraph compile``: loads ``data`` (``None`` = embedded default), takes
+    ``probe_batches`` probe batches of ``batch_size``, and runs :class:`ImportanceEvaluator`.
+
+    Args:
+        model: forward ONNX model (one input, output ``logits``).
+        data: dataset spec (see :func:`etgraph.data.load_dataset`).
+        batch_size: probe batch size (> 0).
+        input_shape: ``(C, H, W)``.
+        learning_rate, weight_decay: of the AdamW step that defines delta_w.
+        probe_batches: number of probe batches whose gradients are averaged.
+        seed: probe-batch seed.
+        cache_dir: artifact cache root (default: a temporary directory, removed afterwards).
+
+    Returns:
+        float64 [N], forward order.
+
+    Raises:
+        DataError: the dataset cannot be loaded. ModelError: the training graph cannot be built.
+    """
+    from onnx import numpy_helper
+
+    from . import graph
+    from .data import load_dataset
+
+    tensors = graph.trainable_tensors(model)
+    names = [t.name for t in tensors]
+    frozen = list(graph.running_statistics(model))
+    weights = {
+        init.name: numpy_helper.to_array(init)
+        for init in model.graph.initializer
+        if init.name in set(names) | set(frozen)
+    }
+    dataset = load_dataset(data, input_shape=tuple(input_shape))
+    batches = [dataset.probe_batch(batch_size, seed + i) for i in range(probe_batches)]
+    with tempfile.TemporaryDirectory(prefix="etgraph-importance-") as tmp:
+        root = Path(cache_dir) if cache_dir is not None else Path(tmp)
+        evaluator = ImportanceEvaluator(
+            model, names, frozen, ArtifactCache(root), weight_decay=weight_decay
+        )
+        return evaluator.evaluate(weights, batches, learning_rate).importance
