@@ -190,6 +190,14 @@ def _solve_within_budget(solve_units, t_dw, t_dy, imp, budget, resolution):
     single = _best_single(t_dw, t_dy, imp, budget)
     if mask is None or (single is not None and imp[single].sum() > imp[mask].sum()):
         mask = single
+    log.debug(
+        "%s: N=%d, budget %.1f us = %d units, selected %d tensors",
+        solve_units.__name__,
+        t_dw.size,
+        budget,
+        budget_units,
+        int(mask.sum()),
+    )
     return mask
 
 
@@ -261,6 +269,7 @@ def _dp_sweep(w_dw: np.ndarray, w_dy: np.ndarray, imp: np.ndarray, budget: int):
             continue
         w, length_j, bits = taken[j]
         t = min(c, length_j - 1)
+        # np.packbits is big-endian within a byte: bit i is (byte i // 8) >> (7 - i % 8).
         if bits is None or (t >= w and (bits[(t - w) >> 3] >> (7 - ((t - w) & 7))) & 1):
             mask[j] = True
             c -= w
