@@ -1,0 +1,991 @@
+"""Tensor timing profiler: measure ``t_dw_us``, ``t_dy_us`` and ``forward_us`` on this device.
+
+Paper §2.2 (time model) and §5 (profiling execution times of tensor training), on ONNX Runtime.
+Wall-clock time is measured, never FLOPs. The result is a :class:`Profile` whose timings make
+:func:`etgraph.timing.step_us` predict the measured step time of any selection mask::
+
+    step_us(M) = forward_us + sum_k M[k] * t_dw_us[k] + sum_{k >= e(M)} t_dy_us[k]
+
+How the numbers are obtained (``shared/ORT_NOTES.md``, "Profiling"):
+
+1. **Per-node backward times.** Artifacts are generated for a few *configurations* (sets of
+   trainable tensors): ``full`` (all tensors), ``no_kernels`` (kernels frozen, biases/norms/
+   embeddings trainable, so gradients still flow everywhere) and ``first_only`` (only tensor 0
+   trainable, so every later layer computes its input gradient and nothing else). Each
+   ``training_model.onnx`` runs in a plain ``onnxruntime.InferenceSession`` with
+   ``enable_profiling`` (the training API cannot end profiling), fed the input batch, labels,
+   the parameters, zero ``<param>_grad.accumulation.buffer`` s and ``lazy_reset_grad=[True]``;
+   ``warmup`` runs are discarded, the median of ``repeats`` runs of each node's
+   ``<node>_kernel_time`` event is kept. Each node also pays the executor's per-node cost outside
+   its kernel, measured once on a chain of trivial nodes (``node_overhead_us``, ~1 µs).
+2. **Charging** (``HELPERS_BRIEF.md``, "Charging rule"): every node of the ``full`` training graph
+   is charged through :func:`etgraph.graph.charges` to one tensor's ``t_dw_us`` or ``t_dy_us``,
+   or to the forward pass. Fused ``ConvGrad`` nodes (kind ``split``) compute dX, dW and dB in one
+   kernel; they are split **by measurement**: in each configuration the node's non-empty outputs
+   say which parts it computed, and its measured times over the configurations are solved for
+   the per-part times by non-negative least squares (e.g. dW = full - no_kernels, dB = no_kernels
+   - first_only, dX = first_only), rescaled to sum to the ``full`` time. dX goes where the charge
+   says, dW to the kernel's ``t_dw_us``, dB to the bias's ``t_dw_us``.
+3. **Optimizer.** ORT's optimizer model is ONE ``AdamWOptimizer`` node over the sequence of
+   trainable tensors. Its kernel time is measured in a profiled ``InferenceSession`` for several
+   subsets of the tensors (all, kernels only, the rest, halves, single tensors) and fitted as
+   ``fixed + per_tensor * count + per_element * elements``; the per-tensor part
+   ``per_tensor + per_element * numel[k]`` is added to ``t_dw_us[k]`` (it is paid exactly when
+   tensor k is selected), the fixed part goes into ``forward_us``.
+4. **Calibration.** ``full_step_us`` is MEASURED with ``onnxruntime.training.api`` (Module train
+   step + ``Optimizer.step`` + ``lazy_reset_grad``, median). What the node and optimizer times do
+   not explain (session and binding overhead per step, profiling bias) is ``step_overhead_us``,
+   a constant folded into ``forward_us``, so ``step_us(all ones) == full_step_us``. The other
+   configurations' measured steps are kept in ``checks`` as a built-in validation.
+
+``forward_us`` is therefore the selection-independent part of a step: forward pass and loss
+(``forward_pass_us``) + optimizer fixed cost + ``step_overhead_us``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .errors import ConfigError, ModelError, ProfileMismatchError
+
+log = logging.getLogger(__name__)
+
+PROFILE_FORMAT_VERSION = 1
+
+#: Output position of each part of ConvGrad / ConvTransposeGrad (dX, dW, dB).
+_CONV_GRAD_PARTS = ("dx", "dw", "db")
+
+
+# --------------------------------------------------------------------------------------------
+# The Profile
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    """Measured per-tensor timings of one model on this device (paper §5).
+
+    Attributes:
+        model_hash: :func:`etgraph.onnx_io.model_hash` of the profiled model.
+        tensors: trainable tensor names, forward order (index 0 nearest the input), length N.
+        kinds: tensor kinds (kernel, bias, gamma, beta, embedding, ...), length N.
+        t_dw_us: float64 [N] µs: time to compute (and apply with AdamW) tensor k's own gradient;
+            paid iff tensor k is selected.
+        t_dy_us: float64 [N] µs: time of the error-gradient work charged to tensor k; paid iff the
+            earliest selected tensor is at or before k.
+        forward_us: µs paid by every step whatever the selection: ``forward_pass_us +
+            optimizer_fixed_us + step_overhead_us``.
+        full_step_us: MEASURED median step with all tensors trainable (training API), µs.
+        batch_size, input_shape (C, H, W), threads (intra-op threads), ort_version, host.
+        forward_pass_us: forward + loss kernels (+ per-node overhead), µs.
+        optimizer_fixed_us, optimizer_per_tensor_us, optimizer_per_element_us: AdamW fit, µs.
+        node_overhead_us: executor cost per node outside its kernel, µs.
+        step_overhead_us: ``full_step_us`` minus everything the nodes and optimizer explain, µs.
+        repeats, warmup: runs per measurement.
+        profiling_s: wall time the profiling took, s.
+        checks: ``{configuration: {"measured_us", "predicted_us", "mask"}}`` for the extra
+            configurations profiled (a built-in validation of the time model).
+        nodes: per backward-graph node ``{name, op, us, charge, tensor}`` of the full graph.
+    """
+
+    model_hash: str
+    tensors: list[str]
+    kinds: list[str]
+    t_dw_us: np.ndarray
+    t_dy_us: np.ndarray
+    forward_us: float
+    full_step_us: float
+    batch_size: int
+    input_shape: tuple[int, ...]
+    threads: int
+    ort_version: str
+    host: str
+    forward_pass_us: float = 0.0
+    optimizer_fixed_us: float = 0.0
+    optimizer_per_tensor_us: float = 0.0
+    optimizer_per_element_us: float = 0.0
+    node_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
+    repeats: int = 0
+    warmup: int = 0
+    profiling_s: float = 0.0
+    checks: dict = field(default_factory=dict)
+    nodes: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.t_dw_us = np.asarray(self.t_dw_us, dtype=np.float64)
+        self.t_dy_us = np.asarray(self.t_dy_us, dtype=np.float64)
+        self.input_shape = tuple(int(d) for d in self.input_shape)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; per-tensor rows under ``"tensor_timings"``."""
+        out = {"format_version": PROFILE_FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name in ("tensors", "kinds", "t_dw_us", "t_dy_us"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        out["tensor_timings"] = [
+            {"index": i, "name": n, "kind": k, "t_dw_us": float(dw), "t_dy_us": float(dy)}
+            for i, (n, k, dw, dy) in enumerate(
+                zip(self.tensors, self.kinds, self.t_dw_us, self.t_dy_us)
+            )
+        ]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        """Inverse of :meth:`to_dict`. Raises ProfileMismatchError on an unknown format."""
+        if data.get("format_version") != PROFILE_FORMAT_VERSION:
+            raise ProfileMismatchError(
+                f"profile format {data.get('format_version')!r} is not "
+                f"{PROFILE_FORMAT_VERSION}: re-run `etgraph profile`"
+            )
+        rows = data["tensor_timings"]
+        kwargs = {k: v for k, v in data.items() if k not in ("format_version", "tensor_timings")}
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in kwargs.items() if k in known}
+        return cls(
+            tensors=[r["name"] for r in rows],
+            kinds=[r["kind"] for r in rows],
+            t_dw_us=[r["t_dw_us"] for r in rows],
+            t_dy_us=[r["t_dy_us"] for r in rows],
+            **kwargs,
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile as JSON (atomically) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """Read a profile written by :meth:`save`.
+
+        Raises:
+            ConfigError: the file is missing or not valid JSON.
+            ProfileMismatchError: the file is a profile of another format version.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"profile {path} does not exist: run `etgraph profile`") from exc
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"profile {path} is not readable JSON ({exc}): delete it") from exc
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError) as exc:
+            raise ProfileMismatchError(
+                f"profile {path} lacks field {exc}: re-run `etgraph profile`"
+            ) from exc
+
+    def check_matches(
+        self,
+        model_hash: str,
+        *,
+        batch_size: int | None = None,
+        input_shape: Sequence[int] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """Raise :class:`ProfileMismatchError` unless this profile fits the given setting.
+
+        Args:
+            model_hash: :func:`etgraph.onnx_io.model_hash` of the model it is used for.
+            batch_size, input_shape, threads: checked when given.
+        """
+        if model_hash != self.model_hash:
+            raise ProfileMismatchError(
+                f"profile is of model {self.model_hash[:12]}, not {model_hash[:12]}: "
+                "profile this model (`etgraph profile MODEL.onnx`)"
+            )
+        if batch_size is not None and int(batch_size) != self.batch_size:
+            raise ProfileMismatchError(
+                f"profile was measured at batch size {self.batch_size}, not {batch_size}: "
+                "re-profile with --batch-size"
+            )
+        if input_shape is not None and tuple(int(d) for d in input_shape) != self.input_shape:
+            raise ProfileMismatchError(
+                f"profile was measured at input shape {_fmt_shape(self.input_shape)}, not "
+                f"{_fmt_shape(input_shape)}: re-profile with --input-shape"
+            )
+        if threads is not None and int(threads) != self.threads:
+            raise ProfileMismatchError(
+                f"profile was measured with {self.threads} threads, not {threads}: "
+                "re-profile with --threads"
+            )
+
+    def predicted_step_us(self, mask) -> float:
+        """:func:`etgraph.timing.step_us` of ``mask`` (bool [N]) with this profile's timings."""
+        from .timing import step_us
+
+        return step_us(mask, self.t_dw_us, self.t_dy_us, self.forward_us)
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "x".join(str(int(d)) for d in shape)
+
+
+def default_cache_dir() -> Path:
+    """Default profile cache: ``$ETGRAPH_CACHE/profiles``, else ``~/.cache/etgraph/profiles``."""
+    root = os.environ.get("ETGRAPH_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "etgraph"
+    return base / "profiles"
+
+
+def profile_key(model_hash: str, input_shape: Sequence[int], batch_size: int, threads: int) -> str:
+    """Cache key of a profile: sha256 over model hash, input shape, batch size and threads."""
+    text = f"{model_hash}|{_fmt_shape(input_shape)}|{int(batch_size)}|{int(threads)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Host facts
+# --------------------------------------------------------------------------------------------
+
+
+def physical_cores() -> int:
+    """Number of physical CPU cores (distinct (package, core) pairs in sysfs; else cpu_count)."""
+    cores = set()
+    for topo in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        try:
+            cores.add(((topo / "physical_package_id").read_text(), (topo / "core_id").read_text()))
+        except OSError:
+            continue
+    return len(cores) or os.cpu_count() or 1
+
+
+def host_description() -> str:
+    """``hostname (machine, CPU model)`` of this host."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()} ({platform.machine()}, {cpu})"
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement core (ONNX Runtime)
+# --------------------------------------------------------------------------------------------
+
+
+def _session_options(threads: int, profile_prefix: str | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = int(threads)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+@dataclass
+class NodeTiming:
+    """One node of a training graph: op type, outputs (``""`` = not computed), median µs."""
+
+    op: str
+    outputs: list[str]
+    us: float
+
+
+@dataclass
+class _Batch:
+    inputs: np.ndarray  # float32 [B, C, H, W]
+    labels: np.ndarray  # int64 [B]
+
+
+def _make_batch(batch_size: int, input_shape: Sequence[int], num_classes: int) -> _Batch:
+    rng = np.random.default_rng(0)
+    return _Batch(
+        inputs=rng.standard_normal((batch_size, *input_shape)).astype(np.float32),
+        labels=rng.integers(0, num_classes, size=batch_size).astype(np.int64),
+    )
+
+
+def _training_feeds(session, weights: dict[str, np.ndarray], batch: _Batch) -> dict:
+    """Feeds for ``training_model.onnx`` run as a plain inference session."""
+    feeds = {}
+    for inp in session.get_inputs():
+        name = inp.name
+        if name == "input":
+            feeds[name] = batch.inputs
+        elif name == "labels":
+            feeds[name] = batch.labels
+        elif name == "lazy_reset_grad":
+            feeds[name] = np.array([True])
+        elif name.endswith("_grad.accumulation.buffer"):
+            param = name[: -len("_grad.accumulation.buffer")]
+            feeds[name] = np.zeros_like(weights[param])
+        elif name in weights:
+            feeds[name] = weights[name]
+        else:
+            raise ModelError(f"training graph input {name!r} is neither data nor a parameter")
+    return feeds
+
+
+def _parse_trace(trace_path: str, warmup: int) -> dict[str, float]:
+    """Median ``<node>_kernel_time`` duration (µs) per node, dropping each node's first
+    ``warmup`` events (one event per node per run)."""
+    with open(trace_path) as fh:
+        events = json.load(fh)
+    durations: dict[str, list[float]] = defaultdict(list)
+    for ev in sorted(events, key=lambda e: e.get("ts", 0)):
+        name = ev.get("name", "")
+        if ev.get("cat") == "Node" and name.endswith("_kernel_time"):
+            durations[name[: -len("_kernel_time")]].append(float(ev["dur"]))
+    return {
+        node: float(statistics.median(d[warmup:] if len(d) > warmup else d))
+        for node, d in durations.items()
+    }
+
+
+def profile_training_graph(
+    training_model: str | os.PathLike,
+    weights: dict[str, np.ndarray],
+    batch: _Batch,
+    *,
+    threads: int,
+    repeats: int,
+    warmup: int,
+    work_dir: str | os.PathLike,
+) -> dict[str, NodeTiming]:
+    """Run a ``training_model.onnx`` with ORT profiling; median kernel time (µs) per node.
+
+    Args:
+        training_model: path of the training graph (from :func:`etgraph.artifacts.generate`).
+        weights: every parameter the graph takes as input (trainable and frozen), by name.
+        batch: input ``float32 [B, C, H, W]`` and labels ``int64 [B]``.
+        threads: intra-op threads. repeats, warmup: measured and discarded runs.
+        work_dir: where ORT writes its JSON trace (deleted after parsing).
+
+    Returns:
+        ``{node name: NodeTiming}`` for every node that ran.
+    """
+    import onnxruntime as ort
+
+    prefix = str(Path(work_dir) / f"ort_trace_{Path(training_model).parent.name}")
+    session = ort.InferenceSession(
+        str(training_model),
+        _session_options(threads, prefix),
+        providers=["CPUExecutionProvider"],
+    )
+    feeds = _training_feeds(session, weights, batch)
+    for _ in range(warmup + repeats):
+        session.run(None, feeds)
+    trace = session.end_profiling()
+    medians = _parse_trace(trace, warmup)
+    Path(trace).unlink(missing_ok=True)
+    graph = onnx.load(str(training_model), load_external_data=False).graph
+    out = {}
+    for node in graph.node:
+        if node.name in medians:
+            out[node.name] = NodeTiming(node.op_type, list(node.output), medians[node.name])
+    return out
+
+
+def measure_train_steps_us(
+    artifact_dirs: Sequence[str | os.PathLike],
+    batch: _Batch,
+    *,
+    threads: int,
+    repeats: int,
+    warmup: int,
+) -> list[float]:
+    """Median wall time (µs) of one real training step for each set of artifacts.
+
+    A step is what ``onnxruntime.training.api`` does per batch: ``Module(input, labels)``
+    (forward + backward + gradient accumulation), ``Optimizer.step()`` (AdamW) and
+    ``Module.lazy_reset_grad()``. The artifact sets are stepped round-robin (one step each per
+    round), so a change of machine load hits all of them alike and their ratios stay right.
+
+    Args:
+        artifact_dirs: directories of the four artifacts (:class:`etgraph.artifacts.ArtifactPaths`).
+        batch: input and labels. threads: intra-op threads. repeats, warmup: rounds.
+
+    Returns:
+        One median per directory, µs, in the given order.
+    """
+    from onnxruntime.training import api
+
+    runners = []
+    for d in map(Path, artifact_dirs):
+        state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
+        module = api.Module(
+            str(d / "training_model.onnx"),
+            state,
+            str(d / "eval_model.onnx"),
+            session_options=_session_options(threads),
+        )
+        optimizer = api.Optimizer(str(d / "optimizer_model.onnx"), module)
+        module.train()
+        runners.append((state, module, optimizer))
+    times: list[list[float]] = [[] for _ in runners]
+    for _ in range(warmup + repeats):
+        for i, (_, module, optimizer) in enumerate(runners):
+            t0 = time.perf_counter()
+            module(batch.inputs, batch.labels)
+            optimizer.step()
+            module.lazy_reset_grad()
+            times[i].append(time.perf_counter() - t0)
+    return [float(statistics.median(t[warmup:]) * 1e6) for t in times]
+
+
+def measure_selection_steps_us(
+    model_path: str | os.PathLike,
+    masks,
+    *,
+    batch_size: int = 4,
+    input_shape: Sequence[int] | None = None,
+    threads: int | None = None,
+    repeats: int = 10,
+    warmup: int = 3,
+    work_dir: str | os.PathLike | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Measured median step times (µs) of training exactly the tensors of each mask.
+
+    For each mask, artifacts are generated (``requires_grad`` = selected tensors; the others and
+    the BatchNorm running statistics frozen) and stepped round-robin with the full-training
+    artifacts (:func:`measure_train_steps_us`), so each mask also gets a full step measured
+    under the same machine load. This is the ground truth :func:`etgraph.timing.step_us` is
+    validated against (tests, ``benchmarks/time_model.py``).
+
+    Args:
+        model_path: forward ONNX model. masks: bool [K, N], forward order, no empty row.
+        batch_size, input_shape, threads, repeats, warmup: as in :func:`profile_model`.
+        work_dir: where the artifacts go (default: a temporary directory, removed).
+
+    Returns:
+        ``(mask_us float64 [K], full_us float64 [K])``.
+
+    Raises:
+        ConfigError: a mask is empty or has the wrong length.
+    """
+    from . import artifacts, graph, onnx_io
+
+    model = onnx_io.load_model(model_path)
+    shape = tuple(onnx_io.input_shape(model, input_shape))
+    threads = physical_cores() if threads is None else int(threads)
+    tensors = graph.trainable_tensors(model)
+    masks = np.atleast_2d(np.asarray(masks, dtype=bool))
+    if masks.shape[1] != len(tensors) or not masks.any(axis=1).all():
+        raise ConfigError(f"selection masks must be non-empty bool rows of length {len(tensors)}")
+    names = [t.name for t in tensors]
+    stats = list(graph.running_statistics(model))
+    model_b = _with_batch(model, batch_size, shape)
+    batch = _make_batch(batch_size, shape, _num_classes(model))
+    mask_us, full_us = [], []
+    with tempfile.TemporaryDirectory(prefix="etgraph-steps-", dir=work_dir) as work:
+        full_dir = artifacts.generate(model_b, names, stats, Path(work) / "full").directory
+        for k, mask in enumerate(masks):
+            trainable = [n for n, m in zip(names, mask) if m]
+            frozen = [n for n, m in zip(names, mask) if not m] + stats
+            d = artifacts.generate(model_b, trainable, frozen, Path(work) / f"m{k}").directory
+            m_us, f_us = measure_train_steps_us(
+                [d, full_dir], batch, threads=threads, repeats=repeats, warmup=warmup
+            )
+            mask_us.append(m_us)
+            full_us.append(f_us)
+            shutil.rmtree(d, ignore_errors=True)
+    return np.array(mask_us), np.array(full_us)
+
+
+def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 30) -> float:
+    """Executor cost per node outside its kernel (µs): wall time of a chain of ``nodes`` trivial
+    ``Neg`` nodes on a 1-element tensor, minus a 1-node chain, divided by ``nodes - 1``."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def chain(k: int) -> bytes:
+        body = [helper.make_node("Neg", [f"t{i}"], [f"t{i + 1}"]) for i in range(k)]
+        g = helper.make_graph(
+            body,
+            "chain",
+            [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info(f"t{k}", TensorProto.FLOAT, [1])],
+        )
+        return helper.make_model(
+            g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9
+        ).SerializeToString()
+
+    so = _session_options(threads)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    x = {"t0": np.ones(1, np.float32)}
+    medians = []
+    for k in (1, nodes):
+        sess = ort.InferenceSession(chain(k), so, providers=["CPUExecutionProvider"])
+        times = []
+        for _ in range(repeats + 3):
+            t0 = time.perf_counter()
+            sess.run(None, x)
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times[3:]))
+    return max(0.0, (medians[1] - medians[0]) * 1e6 / (nodes - 1))
+
+
+@dataclass
+class OptimizerFit:
+    """AdamW kernel time model: ``fixed_us + per_tensor_us * count + per_element_us * elements``."""
+
+    fixed_us: float
+    per_tensor_us: float
+    per_element_us: float
+
+    def tensor_us(self, numel: np.ndarray) -> np.ndarray:
+        """Per-tensor part (µs) for tensors of ``numel`` elements, float64 [N]."""
+        return self.per_tensor_us + self.per_element_us * np.asarray(numel, dtype=np.float64)
+
+
+def measure_optimizer(
+    optimizer_model: str | os.PathLike,
+    params: dict[str, np.ndarray],
+    *,
+    threads: int,
+    repeats: int,
+    warmup: int,
+    work_dir: str | os.PathLike,
+) -> tuple[OptimizerFit, list[tuple[int, int, float]]]:
+    """Measure the single ``AdamWOptimizer`` node as a function of the selection and fit it.
+
+    The optimizer model takes sequences, so one model serves every subset: its kernel time is
+    profiled for subsets (all tensors, multi-dim tensors, 1-D tensors, each half, the largest
+    and the smallest tensor alone) and fitted by non-negative least squares.
+
+    Args:
+        optimizer_model: ``optimizer_model.onnx`` of any artifacts of the model.
+        params: trainable tensors by name (float32 arrays), forward order.
+
+    Returns:
+        ``(fit, observations)`` with observations ``(count, elements, kernel µs)``.
+    """
+    import onnxruntime as ort
+    from scipy.optimize import nnls
+
+    names = list(params)
+    sizes = {n: params[n].size for n in names}
+    half = len(names) // 2
+    subsets = [
+        names,
+        [n for n in names if params[n].ndim > 1],
+        [n for n in names if params[n].ndim <= 1],
+        names[:half],
+        names[half:],
+        [max(names, key=sizes.get)],
+        [min(names, key=sizes.get)],
+    ]
+    subsets = [s for s in subsets if s]
+    session = ort.InferenceSession(
+        str(optimizer_model),
+        _session_options(threads, str(Path(work_dir) / "ort_trace_optimizer")),
+        providers=["CPUExecutionProvider"],
+    )
+    runs = []
+    for subset in subsets:
+        feeds = {
+            "learning_rate": np.array([1e-4], np.float32),
+            "step": np.array([1], np.int64),
+            "params": [params[n].copy() for n in subset],
+            "gradients": [np.full_like(params[n], 1e-3) for n in subset],
+            "first_order_moments": [np.zeros_like(params[n]) for n in subset],
+            "second_order_moments": [np.zeros_like(params[n]) for n in subset],
+        }
+        for _ in range(warmup + repeats):
+            session.run(None, feeds)
+        runs.append((len(subset), sum(sizes[n] for n in subset)))
+    trace = session.end_profiling()
+    with open(trace) as fh:
+        events = json.load(fh)
+    Path(trace).unlink(missing_ok=True)
+    durs = [
+        float(e["dur"])
+        for e in sorted(events, key=lambda e: e.get("ts", 0))
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
+    ]
+    per_run = warmup + repeats
+    if len(durs) != per_run * len(subsets):
+        raise ModelError(
+            f"optimizer trace has {len(durs)} kernel events, expected {per_run * len(subsets)}"
+        )
+    obs = []
+    for i, (count, elements) in enumerate(runs):
+        chunk = durs[i * per_run : (i + 1) * per_run][warmup:]
+        obs.append((count, elements, float(statistics.median(chunk))))
+    a = np.array([[1.0, c, e] for c, e, _ in obs])
+    b = np.array([t for _, _, t in obs])
+    scale = np.abs(a).max(axis=0)
+    coef, _ = nnls(a / scale, b)
+    coef = coef / scale
+    return OptimizerFit(float(coef[0]), float(coef[1]), float(coef[2])), obs
+
+
+# --------------------------------------------------------------------------------------------
+# Splitting fused ConvGrad by measurement
+# --------------------------------------------------------------------------------------------
+
+
+def conv_grad_parts(outputs: Sequence[str]) -> frozenset[str]:
+    """Which of dX, dW, dB a ConvGrad node computes: its non-empty outputs (0, 1, 2)."""
+    return frozenset(p for p, o in zip(_CONV_GRAD_PARTS, outputs) if o)
+
+
+def split_by_measurement(observations: Sequence[tuple[frozenset[str], float]]) -> dict[str, float]:
+    """Per-part times (µs) of one fused node from its times in several configurations.
+
+    Args:
+        observations: ``(parts computed, median µs)`` per configuration; the FIRST is the
+            configuration whose time is split (all tensors trainable).
+
+    Returns:
+        ``{part: µs}`` over the parts of the first observation, >= 0, summing to its time.
+        Solved by non-negative least squares ``time(config) = sum(part times computed)``;
+        parts the other configurations cannot tell apart share the rest equally.
+    """
+    from scipy.optimize import nnls
+
+    parts = sorted(observations[0][0])
+    total = observations[0][1]
+    if len(parts) <= 1:
+        return {p: total for p in parts}
+    rows = [(s, t) for s, t in observations if s and s <= set(parts)]
+    a = np.array([[1.0 if p in s else 0.0 for p in parts] for s, _ in rows])
+    b = np.array([t for _, t in rows])
+    x, _ = nnls(a, b)
+    # Columns never observed apart from each other are not identified: share them equally.
+    rank = np.linalg.matrix_rank(a)
+    if rank < len(parts):
+        x = np.full(len(parts), total / len(parts))
+        for j, p in enumerate(parts):
+            alone = [t for s, t in rows if s == {p}]
+            if alone:
+                x[j] = min(total, statistics.median(alone))
+        rest = [j for j, p in enumerate(parts) if not any(s == {p} for s, _ in rows)]
+        if rest:
+            left = max(0.0, total - sum(x[j] for j in range(len(parts)) if j not in rest))
+            for j in rest:
+                x[j] = left / len(rest)
+    s = x.sum()
+    x = x * (total / s) if s > 0 else np.full(len(parts), total / len(parts))
+    return {p: float(v) for p, v in zip(parts, x)}
+
+
+# --------------------------------------------------------------------------------------------
+# profile_model
+# --------------------------------------------------------------------------------------------
+
+
+def _configurations(tensors) -> dict[str, list[int]]:
+    """Sets of trainable tensor indices to profile: full, no_kernels, first_only."""
+    n = len(tensors)
+    configs = {"full": list(range(n))}
+    no_kernels = [t.index for t in tensors if t.kind != "kernel"]
+    if no_kernels and len(no_kernels) < n:
+        configs["no_kernels"] = no_kernels
+    if n > 1:
+        configs["first_only"] = [0]
+    return configs
+
+
+def profile_model(
+    model_path: str | os.PathLike,
+    *,
+    batch_size: int = 4,
+    input_shape: Sequence[int] | None = None,
+    repeats: int = 10,
+    warmup: int = 3,
+    threads: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Profile:
+    """Profile per-tensor backward times of an ONNX model on this device (paper §5).
+
+    See the module docstring for the method (configurations, charging, ConvGrad split by
+    measurement, optimizer fit, calibration against a measured step).
+
+    Args:
+        model_path: forward ONNX model (one input ``input`` ``float32 [B, C, H, W]``, one output
+            ``logits`` ``float32 [B, K]``).
+        batch_size: B, > 0.
+        input_shape: (C, H, W); None = the model's own static shape.
+        repeats, warmup: measured / discarded runs per measurement (repeats >= 1, warmup >= 0).
+        threads: ORT intra-op threads; None = physical cores. Recorded in the profile.
+        cache_dir: if given, profiles are cached there as ``<key>.json`` keyed by model hash,
+            input shape, batch size and threads (:func:`profile_key`); a hit is returned as is.
+
+    Returns:
+        The :class:`Profile` (``t_dw_us``/``t_dy_us`` float64 [N], forward order).
+
+    Raises:
+        ModelError, UnsupportedOpError: the model cannot be loaded or trained.
+        ConfigError: bad batch size, input shape, repeats or threads.
+        ProfileMismatchError: a cached profile under this key belongs to another setting.
+    """
+    from . import onnx_io
+
+    if batch_size <= 0:
+        raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    threads = physical_cores() if threads is None else int(threads)
+    if threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {threads}")
+    model = onnx_io.load_model(model_path)
+    shape = tuple(onnx_io.input_shape(model, input_shape))
+    model_hash = onnx_io.model_hash(model)
+
+    cache_path = None
+    if cache_dir is not None:
+        cache_path = Path(cache_dir) / f"{profile_key(model_hash, shape, batch_size, threads)}.json"
+        if cache_path.is_file():
+            cached = Profile.load(cache_path)
+            cached.check_matches(
+                model_hash, batch_size=batch_size, input_shape=shape, threads=threads
+            )
+            log.info("profile cache hit: %s", cache_path)
+            return cached
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work:
+        prof = _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, work)
+    prof.profiling_s = time.perf_counter() - start
+    log.info("profiled %d tensors in %.1f s", len(prof.tensors), prof.profiling_s)
+    if cache_path is not None:
+        prof.save(cache_path)
+    return prof
+
+
+def _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, work) -> Profile:
+    import onnxruntime as ort
+
+    from . import artifacts, graph
+
+    tensors = graph.trainable_tensors(model)
+    if not tensors:
+        raise ModelError("the model has no trainable tensors: nothing to profile")
+    names = [t.name for t in tensors]
+    index = {n: i for i, n in enumerate(names)}
+    stats = list(graph.running_statistics(model))
+    weights = {
+        init.name: numpy_helper.to_array(init)
+        for init in model.graph.initializer
+        if init.name in index or init.name in set(stats)
+    }
+    num_classes = _num_classes(model)
+    batch = _make_batch(batch_size, shape, num_classes)
+    model_b = _with_batch(model, batch_size, shape)
+
+    configs = _configurations(tensors)
+    node_times: dict[str, dict[str, NodeTiming]] = {}
+    art_dirs = {}
+    for cname, sel in configs.items():
+        trainable = [names[i] for i in sel]
+        frozen = [n for n in names if n not in set(trainable)] + stats
+        paths = artifacts.generate(model_b, trainable, frozen, Path(work) / cname)
+        art_dirs[cname] = paths.directory
+        node_times[cname] = profile_training_graph(
+            paths.training_model,
+            weights,
+            batch,
+            threads=threads,
+            repeats=repeats,
+            warmup=warmup,
+            work_dir=work,
+        )
+        log.info("config %s: %d nodes profiled", cname, len(node_times[cname]))
+    steps = measure_train_steps_us(
+        list(art_dirs.values()), batch, threads=threads, repeats=repeats, warmup=warmup
+    )
+    measured = dict(zip(art_dirs, steps))
+
+    node_overhead = measure_node_overhead_us(threads)
+    opt_fit, _ = measure_optimizer(
+        art_dirs["full"] / "optimizer_model.onnx",
+        {n: weights[n].astype(np.float32) for n in names},
+        threads=threads,
+        repeats=repeats,
+        warmup=warmup,
+        work_dir=work,
+    )
+    numel = np.array([weights[n].size for n in names], dtype=np.float64)
+
+    charges = _charges(model_b, art_dirs["full"] / "training_model.onnx")
+    t_dw, t_dy, forward_pass, rows = _charge(node_times, configs, charges, names, node_overhead)
+    t_dw = t_dw + opt_fit.tensor_us(numel)
+
+    full_step = measured["full"]
+    explained = forward_pass + opt_fit.fixed_us + t_dw.sum() + t_dy.sum()
+    step_overhead = full_step - explained
+    forward_us = forward_pass + opt_fit.fixed_us + step_overhead
+    if forward_us < 0:
+        log.warning("negative constant step time %.0f us; clamping to 0", forward_us)
+        forward_us = 0.0
+
+    from .timing import step_us
+
+    checks = {}
+    for cname, sel in configs.items():
+        mask = np.zeros(len(names), dtype=bool)
+        mask[sel] = True
+        checks[cname] = {
+            "measured_us": measured[cname],
+            "predicted_us": step_us(mask, t_dw, t_dy, forward_us),
+            "trainable": len(sel),
+        }
+    return Profile(
+        model_hash=model_hash,
+        tensors=names,
+        kinds=[t.kind for t in tensors],
+        t_dw_us=t_dw,
+        t_dy_us=t_dy,
+        forward_us=float(forward_us),
+        full_step_us=float(full_step),
+        batch_size=int(batch_size),
+        input_shape=shape,
+        threads=threads,
+        ort_version=ort.__version__,
+        host=host_description(),
+        forward_pass_us=float(forward_pass),
+        optimizer_fixed_us=opt_fit.fixed_us,
+        optimizer_per_tensor_us=opt_fit.per_tensor_us,
+        optimizer_per_element_us=opt_fit.per_element_us,
+        node_overhead_us=float(node_overhead),
+        step_overhead_us=float(step_overhead),
+        repeats=int(repeats),
+        warmup=int(warmup),
+        checks=checks,
+        nodes=rows,
+    )
+
+
+def _num_classes(model: onnx.ModelProto) -> int:
+    out = model.graph.output[0]
+    dims = out.type.tensor_type.shape.dim
+    if len(dims) != 2 or not dims[1].dim_value:
+        raise ModelError(f"model output {out.name!r} must be [B, K] with a static K")
+    return int(dims[1].dim_value)
+
+
+def _with_batch(model: onnx.ModelProto, batch_size: int, shape: Sequence[int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose input is the static ``[batch_size, *shape]`` and whose output
+    batch dimension is ``batch_size`` (the training graph then has static shapes)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    init_names = {i.name for i in out.graph.initializer}
+    inp = next(i for i in out.graph.input if i.name not in init_names)
+    dims = inp.type.tensor_type.shape.dim
+    for d, v in zip(dims, (batch_size, *shape)):
+        d.Clear()
+        d.dim_value = int(v)
+    odim = out.graph.output[0].type.tensor_type.shape.dim[0]
+    odim.Clear()
+    odim.dim_value = int(batch_size)
+    return out
+
+
+def _charges(model, full_training_model: Path) -> dict:
+    """``{training-graph node name: Charge}`` of the full training graph (:func:`etgraph.graph.charges`)."""
+    from . import graph
+
+    return graph.charges(graph.build_tensor_graph(model, training_model=full_training_model))
+
+
+def _split_targets(charge, outputs: Sequence[str], index: dict[str, int]) -> dict:
+    """``{part: (kind, tensor index)}`` of a split ConvGrad charge: dX -> ``t_dy`` of the
+    charge's ``dy_tensor`` (forward pass when None), dW/dB -> ``t_dw`` of the tensor whose
+    gradient the node's output 1/2 is (``<tensor>_grad``), which must be in ``dw_tensors``."""
+    targets = {"dx": ("dy", index[charge.dy_tensor]) if charge.dy_tensor else ("forward", None)}
+    for part, value in zip(_CONV_GRAD_PARTS[1:], list(outputs)[1:3], strict=False):
+        if not value:
+            continue
+        name = value[: -len("_grad")] if value.endswith("_grad") else value
+        if name not in charge.dw_tensors or name not in index:
+            raise ModelError(
+                f"split node {charge.node!r}: output {value!r} is not the gradient of one of "
+                f"{list(charge.dw_tensors)}"
+            )
+        targets[part] = ("dw", index[name])
+    return targets
+
+
+def _charge(node_times, configs, charges, names, node_overhead):
+    """Charge the ``full`` configuration's node times (kernel + per-node overhead, µs) to
+    tensors: returns ``(t_dw_us [N], t_dy_us [N], forward_pass_us, rows)``.
+
+    Split nodes are split by measurement over all configurations (:func:`split_by_measurement`);
+    the per-node overhead goes with the dX part when there is one (else the first part).
+    """
+    index = {n: i for i, n in enumerate(names)}
+    t_dw = np.zeros(len(names))
+    t_dy = np.zeros(len(names))
+    forward_pass = 0.0
+    rows = []
+    others = [c for c in configs if c != "full"]
+
+    def add(kind: str, tensor: int | None, us: float) -> None:
+        nonlocal forward_pass
+        if kind == "dw":
+            t_dw[tensor] += us
+        elif kind == "dy":
+            t_dy[tensor] += us
+        else:
+            forward_pass += us
+
+    for name, nt in node_times["full"].items():
+        charge = charges.get(name)
+        if charge is None:
+            raise ModelError(f"profiled node {name!r} ({nt.op}) is not in the tensor graph")
+        row = {"name": name, "op": nt.op, "us": nt.us, "charge": charge.kind}
+        if charge.kind != "split":
+            tensor = index[charge.tensor] if charge.tensor is not None else None
+            add(charge.kind, tensor, nt.us + node_overhead)
+            row["tensor"] = charge.tensor
+            rows.append(row)
+            continue
+        observations = [(conv_grad_parts(nt.outputs), nt.us)]
+        for c in others:
+            other = node_times[c].get(name)
+            if other is not None:
+                observations.append((conv_grad_parts(other.outputs), other.us))
+        parts = split_by_measurement(observations)
+        targets = _split_targets(charge, nt.outputs, index)
+        first = "dx" if "dx" in parts else next(iter(parts))
+        for part, us in parts.items():
+            kind, tensor = targets[part]
+            add(kind, tensor, us + (node_overhead if part == first else 0.0))
+        row["parts"] = {
+            p: {"charge": targets[p][0], "tensor": _name(names, targets[p][1]), "us": us}
+            for p, us in parts.items()
+        }
+        row["observations"] = [[sorted(ps), us] for ps, us in observations]
+        rows.append(row)
+    return t_dw, t_dy, forward_pass, rows
+
+
+def _name(names: list[str], index: int | None) -> str | None:
+    return None if index is None else names[index]
