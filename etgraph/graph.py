@@ -335,7 +335,7 @@ def build_tensor_graph(
             selected=None,
         )
     producer: dict[str, str] = {}
-    for node, role in zip(training.graph.node, roles):
+    for node, role in zip(training.graph.node, roles, strict=True):
         nid = op_id(node.name)
         if nid in graph:
             raise ModelError(f"training graph has two nodes named {node.name!r}")
@@ -353,7 +353,7 @@ def build_tensor_graph(
         for value in node.output:
             if value:
                 producer[value] = nid
-    for node, role in zip(training.graph.node, roles):
+    for node, role in zip(training.graph.node, roles, strict=True):
         nid = op_id(node.name)
         for value in node.input:
             src = producer.get(value)
@@ -420,7 +420,7 @@ def charges(graph: nx.DiGraph) -> dict[str, Charge]:
     """Charge of every op node of ``graph``, keyed by training-graph node name (graph order).
 
     Raises:
-        ModelError: an op node has no charge (the graph was not built by :func:`build_tensor_graph`).
+        ModelError: an op node has no charge (graph not built by :func:`build_tensor_graph`).
     """
     out: dict[str, Charge] = {}
     for n in op_nodes(graph):
@@ -587,7 +587,7 @@ def _write_dot(graph: nx.DiGraph, path: Path) -> None:
             continue
         if graph.nodes[u].get("role") == "forward":
             continue
-        extra = f', label="{a["part"]}"' if kind == "charge" else ""
+        extra = f', label="{a["charge"]}", color=red' if a.get("charge") else ""
         lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)} [style={styles[kind]}{extra}];")
     lines.append("}")
     path.write_text("\n".join(lines) + "\n")

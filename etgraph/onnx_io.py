@@ -63,7 +63,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
 
     Raises:
         ModelError: the file is missing, not ONNX, truncated, fails ``onnx.checker``, has not
-            exactly one input and one output, or an opset that cannot be converted to <= 21.
+            exactly one input and one output, an opset that cannot be converted to <= 21, or no
+            trainable tensor (:func:`etgraph.graph.trainable_tensors`).
         UnsupportedOpError: an op on the data path has no gradient in ORT 1.19.2 and no
             built-in rewrite (the message names node and op and suggests the rewrite).
     """
@@ -80,11 +81,18 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         onnx.checker.check_model(model)
     except Exception as exc:
         raise ModelError(f"{path}: invalid ONNX model: {_first_line(exc)}") from exc
-    return legalize(model, source=str(path))
+    model = legalize(model, source=str(path))
+    from .graph import trainable_tensors
+
+    try:
+        trainable_tensors(model)
+    except ModelError as exc:
+        raise ModelError(f"{path}: {exc}") from None
+    return model
 
 
 def legalize(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
-    """Return a legalised copy of ``model`` (see the module docstring; ``source`` names it in errors).
+    """Return a legalised copy of ``model`` (module docstring); ``source`` names it in errors.
 
     Raises:
         ModelError, UnsupportedOpError: as :func:`load_model`.

@@ -22,13 +22,14 @@ The passes then add, in this order (:data:`DEFAULT_PASSES`):
    ``d_max`` and per output ``d_out_max`` (D(o) = tensors whose gradient depends on op o);
 2. :mod:`passes.conv_dense` — §5.1: fused ConvGrad split, kernel/bias gradient ops -> ``t_dw``,
    input-gradient ops of conv/dense layers -> ``t_dy`` of the closest earlier tensor;
-3. :mod:`passes.batch_norm` — §5.2/§5.4: a normalisation layer's whole backward -> its beta's ``t_dy``;
+3. :mod:`passes.batch_norm` — §5.2/§5.4: a norm layer's whole backward -> its beta's ``t_dy``;
 4. :mod:`passes.non_trainable` — §5.3: every other op by the D-rule, accumulators, loss, forward.
 
 A charged op carries ``charge`` (``dw``, ``dy``, ``split``, ``forward``, ``loss``),
 ``charge_tensor`` (tensor name for ``dw``/``dy``), ``charge_dy_tensor`` and ``charge_dw_tensors``
-(for ``split``) and ``rule`` (the pass that decided); ``kind="charge"`` edges op -> tensor make the
-folding visible in the dumps (attribute ``part``: ``dw`` or ``dy``).
+(for ``split``) and ``rule`` (the pass that decided); op -> tensor edges with attribute ``charge``
+(``dw`` or ``dy``) make the folding visible in the dumps (``kind="charge"``, or ``kind="grad"``
+when the op also produces that tensor's gradient).
 
 Per-op knowledge lives in one registry, :data:`OP_RULES`, keyed by ONNX op type — never by node
 names. Unknown op types get :data:`DEFAULT_RULE` (a non-trainable layer, all inputs differentiable).
@@ -283,12 +284,22 @@ def set_charge(
         rule=rule,
     )
     if kind in ("dw", "dy") and tensor is not None:
-        graph.add_edge(op, tensor_id(tensor), kind="charge", part=kind)
+        _charge_edge(graph, op, tensor, kind)
     if kind == "split":
         if dy_tensor is not None:
-            graph.add_edge(op, tensor_id(dy_tensor), kind="charge", part="dy")
+            _charge_edge(graph, op, dy_tensor, "dy")
         for name in dw_tensors:
-            graph.add_edge(op, tensor_id(name), kind="charge", part="dw")
+            _charge_edge(graph, op, name, "dw")
+
+
+def _charge_edge(graph: nx.DiGraph, op: str, tensor: str, part: str) -> None:
+    """Mark op -> tensor as a charge edge (attribute ``charge`` = part); an existing ``grad``
+    edge keeps its kind and gains the attribute."""
+    t = tensor_id(tensor)
+    if graph.has_edge(op, t):
+        graph.edges[op, t]["charge"] = part
+    else:
+        graph.add_edge(op, t, kind="charge", charge=part)
 
 
 def uncharged(graph: nx.DiGraph) -> list[str]:

@@ -58,7 +58,7 @@ class LinearizePass:
             raise ValueError(f"tensor indices must be 0..N-1, got {indices[:10]}...")
         order = [graph.nodes[t]["name"] for t in tensors]
         graph.graph["tensor_order"] = order
-        for later, earlier in zip(tensors[1:], tensors[:-1]):
+        for later, earlier in zip(tensors[1:], tensors[:-1], strict=True):
             graph.add_edge(later, earlier, kind="chain")
 
         backward = [n for n in op_nodes(graph) if graph.nodes[n].get("role") != "forward"]
