@@ -55,6 +55,57 @@ def main(argv: list[str] | None = None) -> None:
 
 # [profile]
 
+
+@cli.command("profile")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size B.")
+@click.option("--input-shape", default=None, help="CxHxW, e.g. 3x224x224 (default: the model's).")
+@click.option("--repeats", default=10, show_default=True, type=int, help="Measured runs.")
+@click.option("--warmup", default=3, show_default=True, type=int, help="Discarded runs.")
+@click.option("--threads", default=None, type=int, help="Intra-op threads [physical cores].")
+@click.option("-o", "--output", default="profile.json", show_default=True, help="Profile JSON.")
+@click.option(
+    "--cache-dir",
+    default=None,
+    help="Profile cache directory [$ETGRAPH_CACHE/profiles or ~/.cache/etgraph/profiles].",
+)
+@click.option("--no-cache", is_flag=True, help="Always measure; do not read or write the cache.")
+def profile_command(
+    model, batch_size, input_shape, repeats, warmup, threads, output, cache_dir, no_cache
+):
+    """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
+    from .onnx_io import parse_input_shape
+    from .profiler import default_cache_dir, profile_model
+
+    shape = parse_input_shape(input_shape) if input_shape else None
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    prof = profile_model(
+        model,
+        batch_size=batch_size,
+        input_shape=shape,
+        repeats=repeats,
+        warmup=warmup,
+        threads=threads,
+        cache_dir=cache,
+    )
+    path = prof.save(output)
+    dw, dy = prof.t_dw_us, prof.t_dy_us
+    click.echo(
+        f"{len(prof.tensors)} tensors, batch {prof.batch_size}, input "
+        f"{'x'.join(map(str, prof.input_shape))}, {prof.threads} threads, ORT {prof.ort_version}"
+    )
+    click.echo(
+        f"full step {prof.full_step_us / 1e3:.1f} ms = forward+fixed {prof.forward_us / 1e3:.1f}"
+        f" ms + t_dw {dw.sum() / 1e3:.1f} ms + t_dy {dy.sum() / 1e3:.1f} ms"
+    )
+    for name, check in prof.checks.items():
+        err = 100.0 * (check["predicted_us"] / check["measured_us"] - 1.0)
+        click.echo(
+            f"  check {name:<11} measured {check['measured_us'] / 1e3:8.1f} ms  "
+            f"predicted {check['predicted_us'] / 1e3:8.1f} ms  ({err:+.1f}%)"
+        )
+    click.echo(f"wrote {path} (profiling took {prof.profiling_s:.1f} s)")
+
 # [compile]
 
 # [train]
