@@ -89,7 +89,7 @@ def pretrain(
             loss.backward()
             opt.step()
             sched.step()
-            total, n = total + float(loss), n + 1
+            total, n = total + loss.item(), n + 1
         log.info("epoch %d: train loss %.4f, val acc %.4f", epoch, total / n, _accuracy(model, ds))
     return model, _accuracy(model, ds), ds
 
@@ -123,13 +123,12 @@ def build_default(*, seed: int = 0, epochs: int = 15, out_dir: Path = data.ASSET
         "pretrain_n_train": ds.n_train,
         "pretrain_n_val": ds.n_val,
         "pretrain_epochs": epochs,
-        "pretrain_s": round(pretrain_s, 1),
         "params": zoo.count_params(model),
         "seed": seed,
         "head": "fresh 5-class linear layer (digits 5-9 relabelled 0-4)",
     }
     (out_dir / data.DEFAULT_MODEL_INFO_PATH.name).write_text(json.dumps(info, indent=2) + "\n")
-    log.info("default model %s: pretrain accuracy %.4f", onnx_path, acc)
+    log.info("default model %s: pretrain accuracy %.4f (%.0f s)", onnx_path, acc, pretrain_s)
     return info
 
 
