@@ -1,0 +1,182 @@
+"""Tensor-level backward graph on real exported models and real ORT training graphs.
+
+The strongest check here: for a selection of the last tensors, the charging rule predicts exactly
+which backward ops onnxruntime-training keeps in its pruned training graph.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import networkx as nx
+import onnx
+import pytest
+
+from etgraph.artifacts import generate
+from etgraph.graph import (
+    TENSOR_KINDS,
+    _roles,
+    build_tensor_graph,
+    charges,
+    coverage,
+    read_graph,
+    running_statistics,
+    tensor_table,
+    trainable_tensors,
+    write_graph,
+)
+from etgraph.onnx_io import load_model
+
+MODELS = ["tiny_cnn_onnx", "resnet18s_onnx", "tiny_vit_onnx"]
+
+
+@pytest.fixture(scope="module")
+def built(request, tmp_path_factory):
+    """name -> (model, graph, training ModelProto) for the three small models (built once)."""
+    out = {}
+    for fixture in MODELS:
+        model = load_model(request.getfixturevalue(fixture))
+        work = tmp_path_factory.mktemp(fixture)
+        graph = build_tensor_graph(model, work_dir=work)
+        training = onnx.load(str(work / "all_trainable" / "training_model.onnx"))
+        out[fixture] = (model, graph, training)
+    return out
+
+
+def test_tiny_cnn_tensor_order_and_kinds(tiny_cnn_onnx):
+    model = load_model(tiny_cnn_onnx)
+    tensors = trainable_tensors(model)
+    assert [t.index for t in tensors] == list(range(len(tensors)))
+    kinds = [t.kind for t in tensors]
+    assert kinds == ["kernel", "gamma", "beta"] * 3 + ["kernel", "bias"]
+    assert tensors[-2].name == "fc.weight" and tensors[-2].op_type == "Gemm"
+    assert all(t.params == int(__import__("math").prod(t.shape)) for t in tensors)
+    stats = running_statistics(model)
+    assert len(stats) == 6 and all("running" in s for s in stats)
+    assert not set(stats) & {t.name for t in tensors}
+
+
+def test_tiny_vit_embeddings_and_dense_bias(tiny_vit_onnx):
+    tensors = trainable_tensors(load_model(tiny_vit_onnx))
+    by_name = {t.name: t for t in tensors}
+    assert by_name["cls_token"].kind == "embedding"
+    assert by_name["pos_embed"].kind == "embedding"
+    assert by_name["patch_embed.weight"].index == 0
+    qkv_w, qkv_b = by_name["blocks.0.attn.qkv.kernel"], by_name["blocks.0.attn.qkv.bias"]
+    assert (qkv_w.kind, qkv_b.kind) == ("kernel", "bias")
+    assert qkv_b.layer == qkv_w.layer and qkv_b.op_type == "MatMul"
+    assert qkv_b.index == qkv_w.index + 1
+    assert by_name["blocks.0.norm1.weight"].index < qkv_w.index  # pre-norm block
+    assert {t.kind for t in tensors} <= set(TENSOR_KINDS)
+    assert running_statistics(load_model(tiny_vit_onnx)) == []
+
+
+def test_resnet18s_gamma_beta_pairs(resnet18s_onnx):
+    tensors = trainable_tensors(load_model(resnet18s_onnx))
+    for t in tensors:
+        if t.kind == "gamma":
+            nxt = tensors[t.index + 1]
+            assert nxt.kind == "beta" and nxt.layer == t.layer
+    assert sum(t.kind == "kernel" for t in tensors) == 21  # 20 convs + fc
+
+
+@pytest.mark.parametrize("fixture", MODELS)
+def test_every_training_node_has_exactly_one_charge(built, fixture):
+    model, graph, training = built[fixture]
+    ch = charges(graph)
+    names = [n.name for n in training.graph.node]
+    assert list(ch) == names  # every node once, graph order
+    cov = coverage(graph)
+    assert cov["charged"] == cov["total"] == len(names)
+    order = graph.graph["tensor_order"]
+    assert order == [t.name for t in trainable_tensors(model)]
+    dw_tensors = set()
+    for c in ch.values():
+        if c.kind in ("dw", "dy"):
+            assert c.tensor in order
+        if c.kind == "dw":
+            dw_tensors.add(c.tensor)
+        if c.kind == "split":
+            assert c.op_type in ("ConvGrad", "ConvTransposeGrad") and c.dw_tensors
+            dw_tensors.update(c.dw_tensors)
+        if c.op_type in ("BatchNormalizationGrad", "LayerNormalizationGrad"):
+            assert c.kind == "dy" and graph.nodes[f"t:{c.tensor}"]["kind"] == "beta"
+        if c.op_type == "SoftmaxCrossEntropyLossGrad":
+            assert (c.kind, c.tensor) == ("dy", order[-1])
+    assert dw_tensors == set(order)  # every tensor has a weight-gradient cost
+    assert graph.graph["model_hash"]
+
+
+SUFFIX_START = {"tiny_cnn_onnx": 4, "resnet18s_onnx": 20, "tiny_vit_onnx": 10}
+
+
+@pytest.mark.parametrize("fixture", MODELS)
+def test_charges_predict_ort_pruned_backward(built, fixture, tmp_path):
+    """Selecting tensors e..N-1: the ops charged to their t_dw plus every t_dy[k >= e] are
+    exactly (as a multiset of op types) the backward ops in ORT's pruned training graph."""
+    model, graph, _ = built[fixture]
+    order = graph.graph["tensor_order"]
+    e = SUFFIX_START[fixture]
+    selected = set(order[e:])
+    index = {name: i for i, name in enumerate(order)}
+    predicted = collections.Counter()
+    for c in charges(graph).values():
+        if (
+            (c.kind == "dw" and c.tensor in selected)
+            or (c.kind == "dy" and index[c.tensor] >= e)
+            or (
+                c.kind == "split"
+                and (
+                    selected.intersection(c.dw_tensors)
+                    or (c.dy_tensor is not None and index[c.dy_tensor] >= e)
+                )
+            )
+        ):
+            predicted[c.op_type] += 1
+    paths = generate(model, order[e:], order[:e] + running_statistics(model), tmp_path / "a")
+    pruned = onnx.load(str(paths.training_model))
+    roles = _roles(pruned, {n.name for n in model.graph.node})
+    actual = collections.Counter(
+        n.op_type
+        for n, role in zip(pruned.graph.node, roles, strict=True)
+        if role in ("backward", "accumulate")
+    )
+    assert predicted == actual
+
+
+def test_tensor_table_rows(built):
+    _, graph, _ = built["tiny_cnn_onnx"]
+    rows = tensor_table(graph)
+    assert [r["index"] for r in rows] == list(range(len(rows)))
+    assert rows[0]["kind"] == "kernel" and rows[0]["t_dw_us"] is None
+    assert set(rows[0]) >= {"name", "shape", "params", "t_dy_us", "importance", "selected"}
+
+
+def test_dumps_round_trip(built, tmp_path):
+    _, graph, _ = built["tiny_vit_onnx"]
+    graph.nodes["t:head.bias"]["t_dw_us"] = 12.5  # later stages fill these
+    path = write_graph(graph, tmp_path / "g.json", "json")
+    back = read_graph(path)
+    assert nx.utils.graphs_equal(graph, back)
+    assert charges(back) == charges(graph)
+    assert back.graph["tensor_order"] == graph.graph["tensor_order"]
+
+    gml = write_graph(graph, tmp_path / "g.graphml", "graphml")
+    g2 = nx.read_graphml(str(gml))
+    assert g2.number_of_nodes() == graph.number_of_nodes()
+    assert g2.number_of_edges() == graph.number_of_edges()
+    assert g2.nodes["t:head.bias"]["t_dw_us"] == 12.5
+
+    dot = write_graph(graph, tmp_path / "g.dot", "dot").read_text()
+    assert dot.startswith("digraph") and dot.rstrip().endswith("}")
+    assert '"t:cls_token"' in dot and "LayerNormalizationGrad" in dot
+    assert dot.count("{") == dot.count("}")
+
+
+def test_write_graph_unknown_format(built, tmp_path):
+    from etgraph.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown graph format"):
+        write_graph(built["tiny_cnn_onnx"][1], tmp_path / "g.x", "yaml")
+    with pytest.raises(ConfigError, match="no such graph file"):
+        read_graph(tmp_path / "missing.json")
