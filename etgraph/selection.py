@@ -226,6 +226,8 @@ def _dp_sweep(w_dw: np.ndarray, w_dy: np.ndarray, imp: np.ndarray, budget: int):
     if need[-1] < 0:
         return None
     table = np.zeros(int(need[-1]) + 1, dtype=np.float64)
+    candidate_buf = np.empty_like(table)  # reused scratch: no allocation per item
+    keep_buf = np.empty(table.size, dtype=bool)
     length = 1  # active length L of the table
     added_w = 0  # total weight of the items in the table
     taken: dict[int, tuple[int, int, np.ndarray | None]] = {}  # item -> (w, L, packed bits)
@@ -254,8 +256,8 @@ def _dp_sweep(w_dw: np.ndarray, w_dy: np.ndarray, imp: np.ndarray, budget: int):
             table[:length] += v
             taken[e] = (0, length, None)  # taken at every capacity
             continue
-        candidate = table[: length - w] + v
-        keep = candidate > table[w:length]
+        candidate = np.add(table[: length - w], v, out=candidate_buf[: length - w])
+        keep = np.greater(candidate, table[w:length], out=keep_buf[: length - w])
         np.maximum(table[w:length], candidate, out=table[w:length])
         taken[e] = (w, length, np.packbits(keep))
 
