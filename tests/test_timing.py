@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -126,3 +129,13 @@ def test_invalid_inputs():
         backward_us(np.ones(3, bool), np.ones(2), np.ones(2))
     with pytest.raises(ConfigError, match="no trainable tensors"):
         min_feasible_rho(np.zeros(0), np.zeros(0), 1.0, 2.0)
+
+
+def test_selection_and_timing_are_pure_numpy():
+    # The selector runs inside the training loop: it must not drag in ONNX Runtime or torch.
+    code = (
+        "import sys, etgraph.selection, etgraph.timing; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnxruntime', 'torch', 'onnx'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
