@@ -99,15 +99,15 @@ def export_onnx(
 
     Raises:
         KeyError: unknown model name.
-        ValueError: ``opset`` > 17 or a non-square input for a zoo model.
+        ValueError: ``opset`` > 17, or an input that is not ``(3, S, S)`` for a zoo model.
         RuntimeError: the exported model has an IR version ORT 1.19 cannot load.
     """
     if opset > 17:
         raise ValueError(f"opset {opset} > 17 is not supported for training export")
     c, h, w = input_shape
     if isinstance(name_or_module, str):
-        if h != w:
-            raise ValueError(f"zoo models take square inputs, got {h}x{w}")
+        if c != 3 or h != w:
+            raise ValueError(f"zoo models take square RGB inputs (3, S, S), got {input_shape}")
         module = zoo.build(name_or_module, num_classes, input_size=h, seed=seed)
     else:
         module = name_or_module
