@@ -632,3 +632,96 @@ def read_graph(path: str | os.PathLike) -> nx.DiGraph:
         return nx.node_link_graph(data, directed=True, multigraph=False, edges="links")
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path}: not a tensor-graph dump ({exc})") from exc
+
+
+# ---- what `etgraph inspect` does (the CLI only parses and prints) ----
+
+
+def load_tensor_graph(
+    target: str | os.PathLike, *, work_dir: str | os.PathLike | None = None
+) -> nx.DiGraph:
+    """The tensor graph of ``target``: an ``.onnx`` model (loaded, legalised and built with
+    :func:`build_tensor_graph`), a ``graph.json`` dump, or a compiled directory holding one.
+
+    Raises:
+        ConfigError: the target does not exist or is a directory without ``graph.json``.
+        ModelError: as :func:`etgraph.onnx_io.load_model` and :func:`build_tensor_graph`.
+    """
+    target = Path(target)
+    if target.is_dir():
+        dump = target / "graph.json"
+        if not dump.is_file():
+            raise ConfigError(f"{target}: no graph.json in this directory; compile a model first")
+        return read_graph(dump)
+    if target.suffix == ".json":
+        return read_graph(target)
+    if not target.exists():
+        raise ConfigError(f"{target}: no such model file or compiled directory")
+    from .onnx_io import load_model
+
+    return build_tensor_graph(load_model(target), work_dir=work_dir)
+
+
+def format_tensor_table(rows: list[dict]) -> str:
+    """Plain-text table of :func:`tensor_table` rows (index, name, kind, shape, params, t_dw_us,
+    t_dy_us, importance, selected); blank where unknown."""
+    columns = (
+        "index",
+        "name",
+        "kind",
+        "shape",
+        "params",
+        "t_dw_us",
+        "t_dy_us",
+        "importance",
+        "selected",
+    )
+
+    def cell(key, value) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return ""
+        if key == "shape":
+            return "x".join(str(d) for d in value) if value else "scalar"
+        if key in ("t_dw_us", "t_dy_us"):
+            return f"{float(value):.1f}"
+        if key == "importance":
+            return f"{float(value):.3g}"
+        if key == "selected":
+            return "yes" if value else "no"
+        return str(value)
+
+    cells = [[cell(c, r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    numeric = {"index", "params", "t_dw_us", "t_dy_us", "importance"}
+
+    def line(values) -> str:
+        return "  ".join(
+            v.rjust(w) if c in numeric else v.ljust(w)
+            for c, v, w in zip(columns, values, widths, strict=True)
+        ).rstrip()
+
+    return "\n".join([line(columns), *(line(r) for r in cells)])
+
+
+def render_dot(dot_path: str | os.PathLike, fmt: str = "svg") -> Path | None:
+    """Render a DOT file to ``svg`` or ``png`` next to it with Graphviz's ``dot`` binary.
+
+    Returns the image path, or None when ``dot`` is not installed.
+
+    Raises:
+        ModelError: ``dot`` failed on the file.
+    """
+    import shutil
+    import subprocess
+
+    exe = shutil.which("dot")
+    if exe is None:
+        return None
+    dot_path = Path(dot_path)
+    out = dot_path.with_suffix(f".{fmt}")
+    proc = subprocess.run(
+        [exe, f"-T{fmt}", str(dot_path), "-o", str(out)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise ModelError(f"graphviz could not render {dot_path}: {proc.stderr.strip()[:200]}")
+    return out

@@ -1,0 +1,55 @@
+"""`etgraph inspect` through a real subprocess."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+from etgraph.graph import charges, read_graph
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "etgraph", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
+    out = tmp_path / "dumps"
+    proc = run_cli("inspect", str(tiny_cnn_onnx), "--out", str(out), "--render")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:5] == ["index", "name", "kind", "shape", "params"]
+    assert lines[1].split()[:4] == ["0", "features.0.0.weight", "kernel", "16x3x3x3"]
+    assert "fc.bias" in proc.stdout and "11 tensors" in proc.stdout
+    for fmt in ("json", "graphml", "dot"):
+        assert (out / f"graph.{fmt}").is_file()
+    if shutil.which("dot"):
+        assert (out / "graph.svg").is_file()
+    else:
+        assert "not rendered" in proc.stdout
+    graph = read_graph(out / "graph.json")
+    assert len(charges(graph)) == graph.graph["num_ops"]
+
+    # a compiled directory (holding graph.json) is inspected without rebuilding
+    proc = run_cli("inspect", str(out), "--format", "dot", "--out", str(tmp_path / "again"))
+    assert proc.returncode == 0, proc.stderr
+    assert lines[1] in proc.stdout
+    assert (tmp_path / "again" / "graph.dot").is_file()
+    assert not (tmp_path / "again" / "graph.json").exists()
+
+
+def test_inspect_errors_are_one_line(tmp_path):
+    proc = run_cli("inspect", str(tmp_path / "missing.onnx"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("etgraph: error:")
+    assert "missing.onnx" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+    proc = run_cli("inspect", str(tmp_path))  # a directory without graph.json
+    assert proc.returncode == 1 and "no graph.json" in proc.stderr
+
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model at all")
+    proc = run_cli("inspect", str(junk))
+    assert proc.returncode == 1 and "junk.onnx" in proc.stderr
