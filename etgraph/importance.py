@@ -12,18 +12,24 @@ its negative when selecting; here the sign is folded in so that larger = more us
 
 **Which update defines delta_w.** The runtime trains with AdamW (onnxruntime-training 1.19.2 runs
 only AdamW and momentum-less SGD), so delta_w is the update AdamW makes for *all* tensors on the
-probe batch(es), from fresh optimizer state (zero moments, step 1), at the current learning rate
-and the run's weight decay::
+probe batch(es), from fresh optimizer state (zero moments, step 1), with the run's weight decay
+and its base learning rate (the rate scales every I_k alike, so it does not change the selection;
+the base rate keeps delta_w far above float32 rounding late in the cosine schedule)::
 
-    delta_w = -lr * (g / (|g| + eps) + weight_decay * w)    (bias-corrected first step)
+    delta_w = -lr * (g / (|g| + eps_eff) + weight_decay * w)    (bias-corrected first step)
 
-so ``I_k ~= lr * (||g_k||_1 + weight_decay * <g_k, w_k>)``. Why not the training optimizer's
-current moments: unselected tensors have none, so tensors would be scored under different update
-rules and the scores would not be comparable. Why not SGD (``delta_w = -lr * g``,
-``I_k = lr * ||g_k||^2``): that is the loss drop of an optimizer we do not train with; under
-AdamW every weight moves by about ``lr`` whatever its gradient scale, and the first AdamW step
-scores tensors by exactly that. The step is a real ORT optimizer step on an all-trainable
-artifacts set (delta_w = weights after - weights before), not a re-implementation.
+(ORT's AdamW adds ``eps`` = 1e-6 to ``sqrt(v)`` before bias correction, so at step 1
+``eps_eff = eps / sqrt(1 - beta2)`` ~= 3.2e-5), hence
+``I_k ~= lr * (sum_i |g_i| * |g_i| / (|g_i| + eps_eff) + weight_decay * <g_k, w_k>)``: about
+``lr * ||g_k||_1``, with weights whose gradient is far below ``eps_eff`` contributing ~0.
+
+Why not the training optimizer's current moments: unselected tensors have none, so tensors
+would be scored under different update rules and the scores would not be comparable. Why not
+SGD (``delta_w = -lr * g``, ``I_k = lr * ||g_k||^2``): that is the loss drop of an optimizer we
+do not train with; under AdamW every weight moves by about ``lr`` whatever its gradient scale,
+and the first AdamW step scores tensors by exactly that. The step is a real ORT optimizer step
+on an all-trainable artifacts set (delta_w = weights after - weights before), not a
+re-implementation.
 
 **Without disturbing training.** The evaluation uses its own artifacts (all tensors trainable,
 cached once), its own CheckpointState, Module and Optimizer, built fresh for every evaluation

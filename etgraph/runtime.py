@@ -70,6 +70,7 @@ __all__ = [
     "CarriedState",
     "EpochRecord",
     "TrainResult",
+    "TrainingSession",
     "train",
     "resume",
     "read_checkpoint",
@@ -510,8 +511,15 @@ def _padded(x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[np.ndarray, 
     )
 
 
-class _Session:
-    """Module + Optimizer of one selection, started from a checkpoint file."""
+class TrainingSession:
+    """ORT Module + Optimizer for one selection, started from a checkpoint file.
+
+    Args:
+        paths: training artifacts of the selection.
+        checkpoint: ORT checkpoint whose trainable parameters are exactly the selection
+            (:func:`write_checkpoint`); its weights, moments and step are loaded.
+        threads: ORT intra-op threads (None = ORT's default).
+    """
 
     def __init__(self, paths: ArtifactPaths, checkpoint: Path, threads: int | None):
         from onnxruntime import SessionOptions
@@ -777,7 +785,7 @@ class _Run:
     def run(self, start_epoch: int, carried: CarriedState, history: list[dict]) -> TrainResult:
         """Train from ``start_epoch`` (a period boundary) with ``carried`` state to the end."""
         cfg = self.config
-        session: _Session | None = None
+        session: TrainingSession | None = None
         mask_prev: np.ndarray | None = None
         (self.out / SESSION_DIR).mkdir(parents=True, exist_ok=True)
         records = list(history)
@@ -804,10 +812,10 @@ class _Run:
     def _reselect(
         self,
         period: int,
-        session: _Session | None,
+        session: TrainingSession | None,
         mask_prev: np.ndarray | None,
         carried: CarriedState,
-    ) -> tuple[_Session, np.ndarray, dict]:
+    ) -> tuple[TrainingSession, np.ndarray, dict]:
         """Importance -> selection -> artifacts -> new session (kept if the mask is unchanged).
 
         Returns the session, the mask and the timings (s) of each part, all counted as
@@ -840,7 +848,7 @@ class _Run:
             session = None  # release the old session before building the new one
             ckpt = self.out / SESSION_DIR / CHECKPOINT_FILE
             write_checkpoint(ckpt, carried, trainable, initial_learning_rate=cfg.learning_rate)
-            session = _Session(paths, ckpt, self.threads)
+            session = TrainingSession(paths, ckpt, self.threads)
         else:
             t3 = time.perf_counter()
         t4 = time.perf_counter()
@@ -866,7 +874,7 @@ class _Run:
         self,
         epoch: int,
         period: int,
-        session: _Session,
+        session: TrainingSession,
         mask: np.ndarray,
         timings: dict | None,
         records: list[dict],
@@ -943,7 +951,7 @@ class _Run:
             f.flush()
             os.fsync(f.fileno())
 
-    def _save_checkpoint(self, session: _Session, epoch: int, mask: np.ndarray) -> None:
+    def _save_checkpoint(self, session: TrainingSession, epoch: int, mask: np.ndarray) -> None:
         """Checkpoint after ``epoch`` (a period end): weights, moments, step and run state."""
         run_state = {
             "epoch": epoch,
@@ -957,7 +965,7 @@ class _Run:
         }
         session.save(self.out / CHECKPOINT_FILE, {RUN_PROPERTY: json.dumps(run_state)})
 
-    def _finish(self, session: _Session | None, records: list[dict]) -> TrainResult:
+    def _finish(self, session: TrainingSession | None, records: list[dict]) -> TrainResult:
         from .plots import plot_run
 
         cfg = self.config
@@ -975,13 +983,13 @@ class _Run:
         _write_text_atomic(self.out / SUMMARY_FILE, json.dumps(asdict(result), indent=2) + "\n")
         return result
 
-    def _session_from_checkpoint(self) -> _Session:
+    def _session_from_checkpoint(self) -> TrainingSession:
         state, requires_grad, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
         frozen = [n for n in self.names if n not in set(requires_grad)] + self.running_stats
         paths, _ = self.cache.get(
             self.model, requires_grad, frozen, weight_decay=self.config.weight_decay
         )
-        return _Session(paths, self.out / CHECKPOINT_FILE, self.threads)
+        return TrainingSession(paths, self.out / CHECKPOINT_FILE, self.threads)
 
 
 def _result(run: _Run, records: list[dict], inference_acc: float, trained: Path) -> TrainResult:
