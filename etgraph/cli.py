@@ -158,3 +158,116 @@ def profile_command(
 # [compile]
 
 # [train]
+
+
+@cli.command("train")
+@click.argument("model", required=False, type=click.Path())
+@click.option("--data", default=None, help="Dataset: 'digits' (embedded) or an image-folder dir.")
+@click.option("--epochs", default=12, show_default=True, type=int, help="Training epochs.")
+@click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size.")
+@click.option("--lr", default=1e-4, show_default=True, type=float, help="Peak AdamW lr (cosine).")
+@click.option("--weight-decay", default=0.01, show_default=True, type=float, help="AdamW decay.")
+@click.option("--rho", default=0.5, show_default=True, type=float, help="Step time / full step.")
+@click.option("--period", default=3, show_default=True, type=int, help="Epochs per re-selection.")
+@click.option(
+    "--strategy",
+    default="elastic",
+    show_default=True,
+    type=click.Choice(["elastic", "full", "last-layer", "bn-bias", "prefix", "topk"]),
+    help="Tensor selection: elastic (DP) or a baseline.",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
+@click.option("--out", "out", default=None, type=click.Path(), help="Run directory to write.")
+@click.option("--resume", "resume_dir", default=None, type=click.Path(), help="Continue a run.")
+@click.option("--profile", "profile_path", default=None, help="profile.json [measure, cached].")
+@click.option("--input-shape", default=None, help="CxHxW when the model's dims are symbolic.")
+@click.option("--threads", default=None, type=int, help="ORT threads [the profile's].")
+@click.option("--max-steps-per-epoch", default=None, type=int, help="Subsample each epoch.")
+@click.option("--max-val-batches", default=None, type=int, help="Subsample validation.")
+@click.option("--probe-batches", default=1, show_default=True, type=int, help="Importance batches.")
+@click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
+def train_command(
+    model,
+    data,
+    epochs,
+    batch_size,
+    lr,
+    weight_decay,
+    rho,
+    period,
+    strategy,
+    seed,
+    out,
+    resume_dir,
+    profile_path,
+    input_shape,
+    threads,
+    max_steps_per_epoch,
+    max_val_batches,
+    probe_batches,
+    quiet,
+):
+    """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
+    and digits data) with elastic tensor selection, re-selecting every --period epochs."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+    from .runtime import TrainConfig, format_summary, resume, train
+
+    if resume_dir is not None:
+        if model is not None or out is not None:
+            raise ConfigError("--resume DIR continues a run as configured: drop MODEL and --out")
+        result = resume(resume_dir, progress=not quiet)
+        click.echo(format_summary(result))
+        return
+    if out is None:
+        raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
+    model_path, profile = _train_inputs(model, profile_path, batch_size, input_shape, threads)
+    config = TrainConfig(
+        epochs=epochs,
+        batch_size=batch_size,
+        learning_rate=lr,
+        weight_decay=weight_decay,
+        rho=rho,
+        period=period,
+        strategy=strategy,
+        seed=seed,
+        data=data,
+        probe_batches=probe_batches,
+        max_steps_per_epoch=max_steps_per_epoch,
+        max_val_batches=max_val_batches,
+        threads=threads,
+    )
+    result = train(Path(model_path), profile, config, out, progress=not quiet)
+    click.echo(format_summary(result))
+
+
+def _train_inputs(model, profile_path, batch_size, input_shape, threads):
+    """(model path, Profile) for `etgraph train`: compiled dir, ONNX file or the default."""
+    from pathlib import Path
+
+    from .data import DEFAULT_MODEL_PATH
+    from .errors import ModelError
+    from .onnx_io import parse_input_shape
+    from .profiler import Profile, default_cache_dir, profile_model
+
+    source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
+    if source.is_dir():
+        if not (source / "model.onnx").is_file():
+            raise ModelError(f"{source} is not a compiled directory (no model.onnx)")
+        if profile_path is None and (source / "profile.json").is_file():
+            profile_path = source / "profile.json"
+        source = source / "model.onnx"
+    elif not source.is_file():
+        raise ModelError(f"model {source} does not exist: pass an ONNX file or compiled dir")
+    if profile_path is not None:
+        return source, Profile.load(profile_path)
+    click.echo(f"profiling {source.name} on this device (cached) ...", err=True)
+    profile = profile_model(
+        source,
+        batch_size=batch_size,
+        input_shape=parse_input_shape(input_shape) if input_shape else None,
+        threads=threads,
+        cache_dir=default_cache_dir(),
+    )
+    return source, profile
