@@ -1,0 +1,244 @@
+"""``etgraph compile``: the main job, model -> graph -> timings -> selection -> artifacts.
+
+One function, :func:`compile_model`, runs the whole chain once and writes a compiled directory
+that ``etgraph train OUT`` continues from and ``etgraph inspect OUT`` reads::
+
+    OUT/model.onnx          the legalised forward model (what everything else was built from)
+    OUT/graph.json|.graphml|.dot   tensor-level backward graph with timings, importance, selection
+    OUT/profile.json        per-tensor t_dw_us / t_dy_us, forward_us, full_step_us (profiler)
+    OUT/plan.json           the selection: rho, budget, predicted step time, per-tensor table,
+                            frozen and trainable parameter lists
+    OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from . import artifacts, graph, onnx_io, profiler, selection, timing
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
+PROFILE_FILE = "profile.json"
+MODEL_FILE = "model.onnx"
+ARTIFACTS_DIR = "artifacts"
+
+
+def data_free_importance(tensors: list[graph.TensorInfo]) -> np.ndarray:
+    """Importance prior used when no data is given: each tensor's share of the parameters.
+
+    Without a probe batch there is no gradient, so the first-order importance of paper Eq. (2)
+    cannot be evaluated; the number of weights a tensor holds is its capacity to reduce the loss
+    and the neutral choice. ``etgraph train`` replaces it with measured importance every period.
+
+    Returns:
+        float64 [N], summing to 1, forward order.
+    """
+    params = np.array([t.params for t in tensors], dtype=np.float64)
+    return params / params.sum()
+
+
+def check_rho(rho: float) -> float:
+    """Return ``rho`` if it lies in (0, 1]; raise ConfigError otherwise."""
+    if not (0.0 < rho <= 1.0):
+        raise ConfigError(
+            f"rho must be in (0, 1], got {rho}: it is the step-time ratio to full training"
+        )
+    return rho
+
+
+def check_batch_size(batch_size: int) -> int:
+    """Return ``batch_size`` if positive; raise ConfigError otherwise."""
+    if batch_size <= 0:
+        raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
+    return batch_size
+
+
+def ensure_writable_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` if needed and check it is a writable directory (ConfigError if not)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".etgraph-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"output directory {path} is not writable ({exc.strerror}): choose another with -o"
+        ) from exc
+    return path
+
+
+@dataclass
+class CompileResult:
+    """What :func:`compile_model` produced (paths inside ``out_dir``) and its key figures."""
+
+    out_dir: Path
+    n_tensors: int
+    n_selected: int
+    rho: float
+    predicted_step_us: float
+    full_step_us: float
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Full step time over predicted step time of the selection (dimensionless)."""
+        return self.full_step_us / self.predicted_step_us
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write ``payload`` as indented JSON to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def compile_model(
+    model_path: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    *,
+    rho: float = 0.5,
+    batch_size: int = 4,
+    input_shape: str | tuple[int, int, int] | None = None,
+    data: str | None = None,
+    repeats: int = 10,
+    threads: int | None = None,
+    resolution: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> CompileResult:
+    """Compile ``model_path`` for elastic training at step-time ratio ``rho``.
+
+    Runs import + legalisation, the tensor-graph passes (paper §5), profiling on this device
+    (cached), importance (first-order, paper Eq. 2, on a probe batch of ``data`` when given;
+    otherwise :func:`data_free_importance`), the DP of paper Eq. (3) under
+    ``rho * full_step_us``, and writes ORT training artifacts for the selection.
+
+    Args:
+        model_path: ONNX classifier (one input, one output ``logits``); None = embedded default.
+        out_dir: the compiled directory to write (created; must be writable).
+        rho: requested step time as a fraction of full training, in (0, 1].
+        batch_size: training batch size the profile and plan are for (> 0).
+        input_shape: ``(C, H, W)`` or ``"CxHxW"``; required when the model's spatial dims are
+            symbolic.
+        data: dataset spec for the importance probe (``"digits"`` or an image-folder path).
+        repeats: profiler repetitions per configuration.
+        threads: ORT intra-op threads (default: profiler's default).
+        resolution: DP time resolution ``T_q`` (None = exact µs).
+        cache_dir: profile cache (default: the profiler's).
+
+    Returns:
+        A :class:`CompileResult`.
+
+    Raises:
+        ModelError, UnsupportedOpError: the model cannot be loaded or trained.
+        ConfigError: bad rho, batch size, input shape or output directory.
+        InfeasibleBudgetError: rho is below what the forward pass costs (gives the smallest rho).
+        DataError: the probe dataset cannot be loaded.
+    """
+    from .data import DEFAULT_MODEL_PATH
+
+    check_rho(rho)
+    check_batch_size(batch_size)
+    source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
+    out = ensure_writable_dir(out_dir)
+
+    model = onnx_io.load_model(source)
+    shape = onnx_io.input_shape(model, input_shape)
+    onnx.save(model, str(out / MODEL_FILE))
+    tensors = graph.trainable_tensors(model)
+    log.info("%s: %d trainable tensors, input %s", source.name, len(tensors), shape)
+
+    tensor_graph = graph.build_tensor_graph(model, work_dir=out / ".work")
+
+    prof = profiler.profile_model(
+        out / MODEL_FILE,
+        batch_size=batch_size,
+        input_shape=shape,
+        repeats=repeats,
+        threads=threads,
+        cache_dir=cache_dir if cache_dir is not None else profiler.default_cache_dir(),
+    )
+    prof.save(out / PROFILE_FILE)
+
+    if data is None:
+        importance = data_free_importance(tensors)
+        importance_source = "data-free prior: parameter share"
+    else:
+        from .importance import probe_importance
+
+        importance = probe_importance(model, data, batch_size=batch_size, input_shape=shape)
+        importance_source = f"first-order importance on a probe batch of {data}"
+
+    budget = timing.budget_us(rho, prof.forward_us, prof.full_step_us)
+    chosen = selection.select_tensors(
+        prof.t_dw_us,
+        prof.t_dy_us,
+        importance,
+        budget,
+        resolution=resolution,
+        forward_us=prof.forward_us,
+        full_step_us=prof.full_step_us,
+    )
+    predicted = timing.step_us(chosen.mask, prof.t_dw_us, prof.t_dy_us, prof.forward_us)
+
+    trainable = [t.name for t, s in zip(tensors, chosen.mask, strict=True) if s]
+    frozen = [t.name for t, s in zip(tensors, chosen.mask, strict=True) if not s]
+    frozen += graph.running_statistics(model)
+    artifacts.generate(model, trainable, frozen, out / ARTIFACTS_DIR)
+
+    for t, s, imp, dw, dy in zip(
+        tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
+    ):
+        tensor_graph.nodes[graph.tensor_id(t.name)].update(
+            t_dw_us=float(dw), t_dy_us=float(dy), importance=float(imp), selected=bool(s)
+        )
+    for fmt in ("json", "graphml", "dot"):
+        graph.write_graph(tensor_graph, out / f"graph.{fmt}", fmt)
+
+    plan = {
+        "model": str(source),
+        "model_hash": onnx_io.model_hash(model),
+        "rho": rho,
+        "batch_size": batch_size,
+        "input_shape": list(shape),
+        "forward_us": prof.forward_us,
+        "full_step_us": prof.full_step_us,
+        "budget_us": budget,
+        "predicted_step_us": predicted,
+        "importance_source": importance_source,
+        "resolution": resolution,
+        "tensors": [
+            {
+                "index": t.index,
+                "name": t.name,
+                "kind": t.kind,
+                "t_dw_us": float(dw),
+                "t_dy_us": float(dy),
+                "importance": float(imp),
+                "selected": bool(s),
+            }
+            for t, s, imp, dw, dy in zip(
+                tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
+            )
+        ],
+        "frozen_params": frozen,
+        "trainable_params": trainable,
+    }
+    write_json_atomic(out / PLAN_FILE, plan)
+    return CompileResult(
+        out_dir=out,
+        n_tensors=len(tensors),
+        n_selected=len(trainable),
+        rho=rho,
+        predicted_step_us=predicted,
+        full_step_us=prof.full_step_us,
+    )

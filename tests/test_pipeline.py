@@ -1,0 +1,132 @@
+"""etgraph compile end to end on a small model: every output exists, agrees with the others,
+and the artifacts train in onnxruntime-training as they are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from etgraph import graph, timing
+from etgraph.errors import ConfigError, InfeasibleBudgetError
+from etgraph.pipeline import compile_model
+
+
+def feasible_rho_range(out) -> tuple[float, float]:
+    """(smallest feasible rho, 1.0) from a compiled directory's profile."""
+    prof = json.loads((out / "profile.json").read_text())
+    t_dw = np.array([t["t_dw_us"] for t in prof["tensor_timings"]])
+    t_dy = np.array([t["t_dy_us"] for t in prof["tensor_timings"]])
+    return timing.min_feasible_rho(t_dw, t_dy, prof["forward_us"], prof["full_step_us"]), 1.0
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_cnn_onnx, tmp_path_factory):
+    """Compile once at rho=1 to learn the profile (cached), then halfway between the smallest
+    feasible rho and 1, where the selection is a strict subset on any machine load."""
+    cache = tmp_path_factory.mktemp("profile-cache")
+    full = tmp_path_factory.mktemp("compiled-full")
+    compile_model(tiny_cnn_onnx, full, rho=1.0, repeats=3, cache_dir=cache)
+    low, high = feasible_rho_range(full)
+    out = tmp_path_factory.mktemp("compiled")
+    result = compile_model(tiny_cnn_onnx, out, rho=(low + high) / 2, repeats=3, cache_dir=cache)
+    return result, out, cache
+
+
+def test_plan_agrees_with_profile_graph_and_artifacts(compiled, tiny_cnn_onnx):
+    result, out, _ = compiled
+    plan = json.loads((out / "plan.json").read_text())
+    tensors = graph.trainable_tensors(onnx.load(str(out / "model.onnx")))
+    assert [t["name"] for t in plan["tensors"]] == [t.name for t in tensors]
+    assert [t["index"] for t in plan["tensors"]] == list(range(len(tensors)))
+
+    mask = np.array([t["selected"] for t in plan["tensors"]])
+    assert mask.any() and not mask.all() and result.n_selected == int(mask.sum())
+    assert plan["trainable_params"] == [t.name for t, s in zip(tensors, mask, strict=True) if s]
+    assert set(plan["trainable_params"]).isdisjoint(plan["frozen_params"])
+    assert set(graph.running_statistics(onnx.load(str(out / "model.onnx")))) <= set(
+        plan["frozen_params"]
+    )
+
+    # The plan's prediction is the time model of its own mask, and it honours the budget.
+    t_dw = np.array([t["t_dw_us"] for t in plan["tensors"]])
+    t_dy = np.array([t["t_dy_us"] for t in plan["tensors"]])
+    predicted = timing.step_us(mask, t_dw, t_dy, plan["forward_us"])
+    assert predicted == pytest.approx(plan["predicted_step_us"])
+    assert plan["predicted_step_us"] <= plan["rho"] * plan["full_step_us"] + 1e-6
+
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["full_step_us"] == pytest.approx(plan["full_step_us"])
+
+    dumped = graph.read_graph(out / "graph.json")
+    selected = {
+        data["name"]
+        for _, data in dumped.nodes(data=True)
+        if data.get("node_type") == "tensor" and data.get("selected")
+    }
+    assert selected == set(plan["trainable_params"])
+    for fmt in ("graphml", "dot"):
+        assert (out / f"graph.{fmt}").stat().st_size > 0
+
+
+def test_artifacts_train_as_they_are(compiled):
+    from onnxruntime.training import api
+
+    _, out, _ = compiled
+    plan = json.loads((out / "plan.json").read_text())
+    art = out / "artifacts"
+    state = api.CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    module = api.Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
+    optimizer = api.Optimizer(str(art / "optimizer_model.onnx"), module)
+    trainable = set(plan["trainable_params"])
+    frozen_name = next(t["name"] for t in plan["tensors"] if not t["selected"])
+    before = {n: state.parameters[n].data.copy() for n in (*trainable, frozen_name)}
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, *plan["input_shape"])).astype(np.float32)
+    y = rng.integers(0, 10, size=4).astype(np.int64)
+    module.train()
+    loss = module(x, y)
+    loss = loss[0] if isinstance(loss, list | tuple) else loss
+    assert np.isfinite(loss)
+    optimizer.step()
+    for name in trainable:
+        assert not np.array_equal(state.parameters[name].data, before[name]), name
+    np.testing.assert_array_equal(state.parameters[frozen_name].data, before[frozen_name])
+
+
+def test_profile_cache_makes_recompile_cheap(compiled, tiny_cnn_onnx, tmp_path):
+    _, out, cache = compiled
+    first = json.loads((out / "profile.json").read_text())
+    compile_model(tiny_cnn_onnx, tmp_path, rho=1.0, repeats=3, cache_dir=cache)
+    again = json.loads((tmp_path / "profile.json").read_text())
+    assert again["full_step_us"] == first["full_step_us"]  # a cache hit, not a re-measurement
+
+
+def test_impossible_rho_names_the_smallest_feasible(compiled, tiny_cnn_onnx, tmp_path):
+    _, out, cache = compiled
+    low, _ = feasible_rho_range(out)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        compile_model(tiny_cnn_onnx, tmp_path, rho=low / 2, repeats=3, cache_dir=cache)
+    assert err.value.min_rho == pytest.approx(low)
+    assert "rho" in str(err.value)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ConfigError):
+            compile_model(tiny_cnn_onnx, tmp_path, rho=bad, cache_dir=cache)
+
+
+def test_cli_compile_reports_user_errors_in_one_line(tmp_path):
+    missing = tmp_path / "nope.onnx"
+    run = subprocess.run(
+        [sys.executable, "-m", "etgraph", "compile", str(missing), "-o", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert run.stderr.startswith("etgraph: error:") and "nope.onnx" in run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
