@@ -219,7 +219,7 @@ def running_statistics(model: onnx.ModelProto) -> list[str]:
 # ---- the tensor graph ----
 
 
-def _roles(training: onnx.ModelProto, forward_names: set[str]) -> list[str]:
+def node_roles(training: onnx.ModelProto, forward_names: set[str]) -> list[str]:
     """Role of every node of the training graph: forward, loss, accumulate or backward.
 
     forward: the node is an ancestor of ``logits`` (or keeps a forward node's name);
@@ -307,7 +307,7 @@ def build_tensor_graph(
     tensors = trainable_tensors(model)
     training = _training_model(model, tensors, training_model, work_dir)
     forward_names = {n.name for n in model.graph.node}
-    roles = _roles(training, forward_names)
+    roles = node_roles(training, forward_names)
 
     graph = nx.DiGraph()
     graph.graph.update(

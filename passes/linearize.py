@@ -14,11 +14,12 @@ That is exact whenever D(o) is a prefix ``{0, ..., max D(o)}`` (then ``e <= max 
 models:
 
 * **ResNet shortcuts**: the block's gradient is summed (``Sum``) at the block input; ops of the
-  main branch and of an identity shortcut have prefix D sets. Ops of a *projection* shortcut
-  (downsample conv + BN, exported after the main branch) have D = {0..block input} plus their own
-  tensors: a gap over the main branch. They are charged to their own (later) tensors, so they are
-  counted when ``e`` falls inside the gap even if no shortcut tensor is selected — a conservative
-  over-estimate, never an under-estimate.
+  main branch and of an identity shortcut have prefix D sets. With a *projection* shortcut
+  (downsample conv + BN) the two branches are parallel: the ops of the branch that comes later
+  in forward order have D = {0..block input} plus their own branch's tensors, a gap over the
+  other branch. They are charged to their own (later) tensors, so they are counted when ``e``
+  falls inside the gap even if nothing in D is selected — a conservative over-estimate, never
+  an under-estimate (for suffix selections, what the DP mostly picks, it is exact).
 * **MobileNetV2 inverted residuals**: identity shortcuts only; every D is a prefix (exact).
 * **ViT attention**: Q, K and V come from one in_proj MatMul (or three parallel ones, ordered
   q, k, v); Softmax/MatMul gradients depend on all of them, so their D covers the in_proj tensors

@@ -7,6 +7,7 @@ which backward ops onnxruntime-training keeps in its pruned training graph.
 from __future__ import annotations
 
 import collections
+import math
 
 import networkx as nx
 import onnx
@@ -15,10 +16,10 @@ import pytest
 from etgraph.artifacts import generate
 from etgraph.graph import (
     TENSOR_KINDS,
-    _roles,
     build_tensor_graph,
     charges,
     coverage,
+    node_roles,
     read_graph,
     running_statistics,
     tensor_table,
@@ -50,7 +51,7 @@ def test_tiny_cnn_tensor_order_and_kinds(tiny_cnn_onnx):
     kinds = [t.kind for t in tensors]
     assert kinds == ["kernel", "gamma", "beta"] * 3 + ["kernel", "bias"]
     assert tensors[-2].name == "fc.weight" and tensors[-2].op_type == "Gemm"
-    assert all(t.params == int(__import__("math").prod(t.shape)) for t in tensors)
+    assert all(t.params == math.prod(t.shape) for t in tensors)
     stats = running_statistics(model)
     assert len(stats) == 6 and all("running" in s for s in stats)
     assert not set(stats) & {t.name for t in tensors}
@@ -135,7 +136,7 @@ def test_charges_predict_ort_pruned_backward(built, fixture, tmp_path):
             predicted[c.op_type] += 1
     paths = generate(model, order[e:], order[:e] + running_statistics(model), tmp_path / "a")
     pruned = onnx.load(str(paths.training_model))
-    roles = _roles(pruned, {n.name for n in model.graph.node})
+    roles = node_roles(pruned, {n.name for n in model.graph.node})
     actual = collections.Counter(
         n.op_type
         for n, role in zip(pruned.graph.node, roles, strict=True)
