@@ -370,8 +370,8 @@ def _training_feeds(session, weights: dict[str, np.ndarray], batch: _Batch) -> d
 
 
 def _parse_trace(trace_path: str, warmup: int) -> dict[str, float]:
-    """:func:`robust_time` of ``<node>_kernel_time`` durations (µs) per node, dropping each node's first
-    ``warmup`` events (one event per node per run)."""
+    """:func:`robust_time` of ``<node>_kernel_time`` durations (µs) per node, dropping each
+    node's first ``warmup`` events (one event per node per run)."""
     with open(trace_path) as fh:
         events = json.load(fh)
     durations: dict[str, list[float]] = defaultdict(list)

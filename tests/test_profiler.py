@@ -1,0 +1,269 @@
+"""Tensor timing profiler on real ONNX Runtime runs (small models; threads=1 so the shared
+2-core machine's load disturbs the measurements as little as possible)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from etgraph import graph, onnx_io, timing
+from etgraph.errors import ConfigError, ProfileMismatchError
+from etgraph.profiler import (
+    OptimizerFit,
+    Profile,
+    conv_grad_parts,
+    fit_optimizer,
+    measure_selection_steps_us,
+    profile_key,
+    profile_model,
+    robust_time,
+    split_by_measurement,
+)
+
+REPEATS = 5
+WARMUP = 2
+THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def tiny_cnn_profile(tiny_cnn_onnx, cache_dir) -> Profile:
+    return profile_model(
+        tiny_cnn_onnx, repeats=REPEATS, warmup=WARMUP, threads=THREADS, cache_dir=cache_dir
+    )
+
+
+@pytest.fixture(scope="module")
+def resnet18s_profile(resnet18s_onnx, cache_dir) -> Profile:
+    return profile_model(
+        resnet18s_onnx, repeats=REPEATS, warmup=WARMUP, threads=THREADS, cache_dir=cache_dir
+    )
+
+
+# ---- pure helpers ----
+
+
+def test_split_by_measurement_recovers_parts_from_differences():
+    # full computes dX+dW+dB = 100, kernels frozen dX+dB = 40, first-only dX = 30.
+    obs = [
+        (frozenset({"dx", "dw", "db"}), 100.0),
+        (frozenset({"dx", "db"}), 40.0),
+        (frozenset({"dx"}), 30.0),
+    ]
+    parts = split_by_measurement(obs)
+    assert parts == pytest.approx({"dx": 30.0, "dw": 60.0, "db": 10.0})
+
+
+def test_split_by_measurement_first_conv_and_noise():
+    # First conv: no dX. Noisy, inconsistent observations still give parts >= 0 that sum to the
+    # full configuration's time.
+    obs = [(frozenset({"dw", "db"}), 50.0), (frozenset({"db"}), 8.0), (frozenset({"dw"}), 45.0)]
+    parts = split_by_measurement(obs)
+    assert set(parts) == {"dw", "db"}
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(50.0)
+    assert parts["dw"] > parts["db"]
+
+
+def test_split_by_measurement_unobserved_part_gets_the_rest():
+    obs = [(frozenset({"dx", "dw"}), 90.0), (frozenset({"dx"}), 30.0)]
+    assert split_by_measurement(obs) == pytest.approx({"dx": 30.0, "dw": 60.0})
+    # Nothing tells dX and dW apart: they share the time.
+    assert split_by_measurement([(frozenset({"dx", "dw"}), 90.0)]) == pytest.approx(
+        {"dx": 45.0, "dw": 45.0}
+    )
+
+
+def test_conv_grad_parts_reads_non_empty_outputs():
+    assert conv_grad_parts(["", "w_grad", "b_grad"]) == {"dw", "db"}
+    assert conv_grad_parts(["x_grad", "", ""]) == {"dx"}
+    assert conv_grad_parts(["x_grad", "w_grad"]) == {"dx", "dw"}
+
+
+def test_fit_optimizer_recovers_linear_costs():
+    truth = OptimizerFit(fixed_us=20.0, per_tensor_us=3.0, per_element_us=0.004)
+    obs = [
+        (c, e, truth.fixed_us + truth.per_tensor_us * c + truth.per_element_us * e)
+        for c, e in [
+            (60, 700_000),
+            (20, 690_000),
+            (40, 10_000),
+            (1, 300_000),
+            (1, 16),
+            (30, 350_000),
+        ]
+    ]
+    fit = fit_optimizer(obs)
+    assert fit.fixed_us == pytest.approx(20.0, rel=1e-3)
+    assert fit.per_tensor_us == pytest.approx(3.0, rel=1e-3)
+    assert fit.per_element_us == pytest.approx(0.004, rel=1e-3)
+    assert fit.tensor_us(np.array([0, 1000])) == pytest.approx([3.0, 7.0])
+
+
+def test_robust_time_is_a_low_quantile():
+    assert robust_time([5.0, 1.0, 100.0, 2.0, 3.0, 4.0]) < np.median([5, 1, 100, 2, 3, 4])
+
+
+# ---- real profiles ----
+
+
+@pytest.mark.parametrize("which", ["tiny_cnn", "resnet18s"])
+def test_profile_has_one_timing_per_trainable_tensor(which, request):
+    prof: Profile = request.getfixturevalue(f"{which}_profile")
+    model = onnx_io.load_model(request.getfixturevalue(f"{which}_onnx"))
+    tensors = graph.trainable_tensors(model)
+    assert prof.tensors == [t.name for t in tensors]
+    assert prof.kinds == [t.kind for t in tensors]
+    n = len(tensors)
+    assert prof.t_dw_us.shape == (n,) and prof.t_dw_us.dtype == np.float64
+    assert prof.t_dy_us.shape == (n,)
+    assert np.all(prof.t_dw_us >= 0) and np.all(prof.t_dy_us >= 0)
+    kernels = np.array([k == "kernel" for k in prof.kinds])
+    assert np.all(prof.t_dw_us[kernels] > 0)
+    assert prof.t_dy_us.sum() > 0
+    assert prof.forward_us > 0 and prof.full_step_us > 0
+    assert prof.batch_size == 4 and prof.input_shape == onnx_io.input_shape(model)
+    assert prof.threads == THREADS and prof.ort_version.startswith("1.19")
+    assert prof.model_hash == onnx_io.model_hash(model)
+
+
+def test_charged_node_times_account_for_the_profiled_graph(resnet18s_onnx, resnet18s_profile):
+    prof = resnet18s_profile
+    # Every node of the full training graph is charged exactly once: the node times (kernel +
+    # per-node overhead) add up to forward pass + t_dw (less the optimizer's per-tensor part)
+    # + t_dy.
+    total_nodes = 0.0
+    for row in prof.nodes:
+        assert row["charge"] in {"dw", "dy", "split", "forward", "loss"}
+        total_nodes += row["us"] + prof.node_overhead_us
+        if row["charge"] == "split":
+            assert sum(p["us"] for p in row["parts"].values()) == pytest.approx(row["us"])
+            assert len(row["observations"]) >= 2  # measured in more than one configuration
+    params = np.array(
+        [t.params for t in graph.trainable_tensors(onnx_io.load_model(resnet18s_onnx))]
+    )
+    optimizer_part = (prof.optimizer_per_tensor_us + prof.optimizer_per_element_us * params).sum()
+    charged = prof.forward_pass_us + prof.t_dw_us.sum() - optimizer_part + prof.t_dy_us.sum()
+    assert charged == pytest.approx(total_nodes, rel=1e-9)
+    ops = {r["op"] for r in prof.nodes}
+    assert {"ConvGrad", "BatchNormalizationGrad", "InPlaceAccumulatorV2"} <= ops
+    # The backward pass costs more than the forward pass (paper §2.2).
+    assert prof.t_dw_us.sum() + prof.t_dy_us.sum() > prof.forward_pass_us
+
+
+def test_conv_grad_is_split_by_measurement(resnet18s_profile):
+    prof = resnet18s_profile
+    splits = [r for r in prof.nodes if r["charge"] == "split"]
+    assert splits
+    for row in splits:
+        parts = row["parts"]
+        assert "dw" in parts and parts["dw"]["charge"] == "dw"
+        seen = [frozenset(s) for s, _ in row["observations"]]
+        # When the full configuration computes several parts, another configuration (kernels
+        # frozen / only the first tensor trainable) computed fewer: the split is measured.
+        if len(seen[0]) > 1:
+            assert any(s < seen[0] for s in seen[1:]), row["name"]
+    # Later layers' dX parts were measured alone (first_only configuration) and go to t_dy.
+    dx = [r for r in splits if "dx" in r["parts"]]
+    assert dx and all(r["parts"]["dx"]["charge"] == "dy" for r in dx)
+
+
+def test_optimizer_cost_is_measured_and_folded_into_t_dw(resnet18s_profile):
+    prof = resnet18s_profile
+    assert prof.optimizer_per_element_us > 0
+    # A big kernel pays more optimizer time than a small bias: t_dw grows with numel.
+    assert prof.optimizer_per_tensor_us + prof.optimizer_per_element_us * 1e5 > 0
+
+
+def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
+    for name, check in resnet18s_profile.checks.items():
+        assert check["predicted_us"] == pytest.approx(check["measured_us"], rel=0.25), name
+
+
+def test_save_load_round_trip(tiny_cnn_profile, tmp_path):
+    path = tiny_cnn_profile.save(tmp_path / "p.json")
+    data = json.loads(path.read_text())
+    row = data["tensor_timings"][0]
+    assert set(row) >= {"name", "kind", "t_dw_us", "t_dy_us"}
+    for key in ("forward_us", "full_step_us", "batch_size", "input_shape", "threads"):
+        assert key in data
+    for key in ("ort_version", "host", "model_hash"):
+        assert data[key]
+    back = Profile.load(path)
+    assert back.tensors == tiny_cnn_profile.tensors
+    np.testing.assert_array_equal(back.t_dw_us, tiny_cnn_profile.t_dw_us)
+    np.testing.assert_array_equal(back.t_dy_us, tiny_cnn_profile.t_dy_us)
+    assert back.input_shape == tiny_cnn_profile.input_shape
+    assert back.forward_us == tiny_cnn_profile.forward_us
+
+
+def test_cache_hits_on_second_call(tiny_cnn_onnx, tiny_cnn_profile, cache_dir):
+    start = time.perf_counter()
+    again = profile_model(
+        tiny_cnn_onnx, repeats=REPEATS, warmup=WARMUP, threads=THREADS, cache_dir=cache_dir
+    )
+    assert time.perf_counter() - start < 2.0
+    np.testing.assert_array_equal(again.t_dw_us, tiny_cnn_profile.t_dw_us)
+    assert again.profiling_s == tiny_cnn_profile.profiling_s
+
+
+def test_cached_profile_of_another_model_raises(tiny_cnn_onnx, tiny_cnn_profile, tmp_path):
+    model = onnx_io.load_model(tiny_cnn_onnx)
+    key = profile_key(tiny_cnn_profile.model_hash, tiny_cnn_profile.input_shape, 4, THREADS)
+    stale = Profile.from_dict(tiny_cnn_profile.to_dict())
+    stale.model_hash = "0" * 16
+    stale.save(tmp_path / f"{key}.json")
+    with pytest.raises(ProfileMismatchError, match="model"):
+        profile_model(tiny_cnn_onnx, threads=THREADS, cache_dir=tmp_path)
+    prof = tiny_cnn_profile
+    prof.check_matches(onnx_io.model_hash(model), batch_size=4, input_shape=prof.input_shape)
+    with pytest.raises(ProfileMismatchError, match="batch size"):
+        prof.check_matches(prof.model_hash, batch_size=8)
+    with pytest.raises(ProfileMismatchError, match="input shape"):
+        prof.check_matches(prof.model_hash, input_shape=(3, 64, 64))
+    with pytest.raises(ProfileMismatchError, match="threads"):
+        prof.check_matches(prof.model_hash, threads=THREADS + 1)
+
+
+def test_bad_arguments_raise_config_error(tiny_cnn_onnx, tmp_path):
+    with pytest.raises(ConfigError):
+        profile_model(tiny_cnn_onnx, batch_size=0)
+    with pytest.raises(ConfigError):
+        profile_model(tiny_cnn_onnx, repeats=0)
+    with pytest.raises(ConfigError):
+        Profile.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_onnx, resnet18s_profile):
+    """The real check: artifacts generated for masks the profiler never ran, real steps."""
+    prof = resnet18s_profile
+    n = len(prof.tensors)
+    masks = np.zeros((3, n), dtype=bool)
+    masks[0, n - 12 :] = True  # the last layers
+    masks[1, n // 3 :: 3] = True  # a sparse selection from a third of the way in
+    masks[2, n // 2] = True  # one tensor in the middle: t_dy of everything after it
+    masks[2, -1] = True
+    measured, full = measure_selection_steps_us(
+        resnet18s_onnx, masks, threads=THREADS, repeats=REPEATS, warmup=WARMUP
+    )
+    predicted = np.array(
+        [timing.step_us(m, prof.t_dw_us, prof.t_dy_us, prof.forward_us) for m in masks]
+    )
+    # The machine is shared: each mask is measured round-robin with full training, and the
+    # prediction is compared at the machine speed of that moment.
+    speed = full / prof.full_step_us
+    rel = predicted * speed / measured - 1.0
+    assert np.all(np.abs(rel) < 0.25), (predicted, measured, full)
+    # Sanity: selective steps are faster than full ones, and the prediction orders them right.
+    assert np.all(measured < full)
+    assert np.argmin(predicted) == np.argmin(measured) or np.ptp(measured) < 0.1 * measured.max()
