@@ -47,6 +47,17 @@ def default_profile(tmp_path_factory, default_model_path):
 
 
 @pytest.fixture(scope="module")
+def rho(default_profile):
+    """A rho that leaves room for a real selection whatever this (noisy, shared) machine
+    measured: 0.6, or 0.1 above the forward-pass floor if that is higher."""
+    from etgraph.timing import min_feasible_rho
+
+    prof, _ = default_profile
+    floor = min_feasible_rho(prof.t_dw_us, prof.t_dy_us, prof.forward_us, prof.full_step_us)
+    return round(min(0.95, max(0.6, floor + 0.1)), 3)
+
+
+@pytest.fixture(scope="module")
 def default_model(default_model_path):
     model = onnx_io.load_model(default_model_path)
     tensors = graph.trainable_tensors(model)
@@ -159,7 +170,7 @@ def test_state_carried_exactly_across_reselection(tmp_path, default_model):
 # ---- strategies -------------------------------------------------------------------------------
 
 
-def test_strategy_masks(default_profile, default_model):
+def test_strategy_masks(default_profile, default_model, rho):
     prof, _ = default_profile
     _, tensors, _, _ = default_model
     n = len(tensors)
@@ -170,11 +181,11 @@ def test_strategy_masks(default_profile, default_model):
     bn_bias = strategy_mask("bn-bias", tensors, prof, 0.5, None)
     for t, s in zip(tensors, bn_bias, strict=True):
         assert s == (t.kind in ("gamma", "beta", "bias") or t.layer == tensors[-1].layer)
-    budget = 0.6 * prof.full_step_us
+    budget = rho * prof.full_step_us
     for strategy in ("elastic", "topk", "prefix"):
-        mask = strategy_mask(strategy, tensors, prof, 0.6, importance)
+        mask = strategy_mask(strategy, tensors, prof, rho, importance)
         assert mask.any() and prof.predicted_step_us(mask) <= budget + 1e-6, strategy
-    prefix = strategy_mask("prefix", tensors, prof, 0.6, None)
+    prefix = strategy_mask("prefix", tensors, prof, rho, None)
     first = int(np.flatnonzero(prefix)[0])
     assert prefix[first:].all()
     with pytest.raises(InfeasibleBudgetError):
@@ -204,18 +215,20 @@ def _losses(out_dir):
     return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
 
 
-def test_elastic_run_outputs_export_and_determinism(tmp_path, default_profile, default_model_path):
+def test_elastic_run_outputs_export_and_determinism(
+    tmp_path, default_profile, default_model_path, rho
+):
     from PIL import Image
 
     prof, _ = default_profile
-    config = TrainConfig(epochs=3, period=1, rho=0.6, seed=1, **QUICK)
+    config = TrainConfig(epochs=3, period=1, rho=rho, seed=1, **QUICK)
     result = train(default_model_path, prof, config, tmp_path / "run", progress=False)
     out = tmp_path / "run"
     records = _losses(out)
     assert [r["epoch"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["selection"] and r["steps"] == QUICK["max_steps_per_epoch"]
-        assert r["predicted_step_us"] <= 0.6 * prof.full_step_us + 1e-6
+        assert r["predicted_step_us"] <= rho * prof.full_step_us + 1e-6
         assert r["measured_step_us"] > 0 and r["wall_time_s"] > 0 and r["peak_rss_mb"] > 0
         assert r["reselection_s"] > 0 and np.isfinite(r["train_loss"] + r["val_loss"])
     _, _, props = read_checkpoint(out / "checkpoint")
@@ -244,13 +257,13 @@ def test_elastic_run_outputs_export_and_determinism(tmp_path, default_profile, d
         train(default_model_path, prof, config, tmp_path / "run", progress=False)
 
 
-def test_resume_after_sigkill(tmp_path, default_profile, default_model_path):
+def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, rho):
     prof, profile_json = default_profile
     out = tmp_path / "killed"
     args = [
         sys.executable, "-m", "etgraph", "train", str(default_model_path),
-        "--profile", str(profile_json), "--epochs", "4", "--period", "1", "--rho", "0.6",
-        "--max-steps-per-epoch", "40", "--max-val-batches", "5", "--out", str(out), "--quiet",
+        "--profile", str(profile_json), "--epochs", "4", "--period", "1", "--rho", str(rho),
+        "--max-steps-per-epoch", "25", "--max-val-batches", "5", "--out", str(out), "--quiet",
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -276,7 +289,7 @@ def test_resume_after_sigkill(tmp_path, default_profile, default_model_path):
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]
     assert (out / "model_trained.onnx").is_file()
     # the resumed run continues exactly like an uninterrupted one
-    config = TrainConfig(epochs=4, period=1, rho=0.6, max_steps_per_epoch=40, max_val_batches=5)
+    config = TrainConfig(epochs=4, period=1, rho=rho, max_steps_per_epoch=25, max_val_batches=5)
     train(default_model_path, prof, config, tmp_path / "straight", progress=False)
     straight = _losses(tmp_path / "straight")
     assert [r["selection"] for r in straight] == [r["selection"] for r in records]

@@ -1,0 +1,95 @@
+"""`etgraph train`: out of the box, from a compiled directory, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+QUICK = ["--max-steps-per-epoch", "4", "--max-val-batches", "4", "--quiet"]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "etgraph", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def profile_json(tmp_path_factory, default_model_path):
+    from etgraph.profiler import profile_model
+
+    root = tmp_path_factory.mktemp("cli-profile")
+    prof = profile_model(default_model_path, batch_size=4, repeats=2, warmup=1)
+    return prof.save(root / "profile.json")
+
+
+def _epochs(out) -> list[int]:
+    return [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_train_out_of_the_box_profiles_with_the_cache(tmp_path):
+    """No model, no profile: the embedded model and data, profiled on the fly into the cache.
+
+    rho 0.9: the forward-pass floor measured on a loaded shared machine can exceed 0.5."""
+    out = tmp_path / "run"
+    env = {"ETGRAPH_CACHE": str(tmp_path / "cache")}
+    done = run_cli("train", "--epochs", "2", "--period", "1", "--rho", "0.9", "--out", str(out),
+                   *QUICK, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    for word in ("val accuracy", "speedup", "rho", "requested 0.90"):
+        assert word in done.stdout
+    assert _epochs(out) == [1, 2]
+    assert list((tmp_path / "cache" / "profiles").glob("*.json"))  # the profile was cached
+    for name in ("checkpoint", "model_trained.onnx", "curves.png", "selection.png"):
+        assert (out / name).is_file(), name
+
+
+def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, profile_json):
+    compiled = tmp_path / "compiled"
+    compiled.mkdir()
+    shutil.copy(default_model_path, compiled / "model.onnx")
+    shutil.copy(profile_json, compiled / "profile.json")
+    out = tmp_path / "run"
+    done = run_cli("train", str(compiled), "--strategy", "bn-bias", "--epochs", "1",
+                   "--out", str(out), *QUICK)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bn-bias" in done.stdout and _epochs(out) == [1]
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--rho", "0"], "rho"),
+        (["--rho", "1.5"], "rho"),
+        (["--period", "0"], "period"),
+        (["--batch-size", "0"], "batch size"),
+        (["--rho", "0.0001"], "rho"),  # below the forward-pass floor: gives the smallest rho
+    ],
+)
+def test_train_bad_settings_are_one_line_errors(tmp_path, profile_json, args, fragment):
+    done = run_cli("train", "--profile", str(profile_json), "--out", str(tmp_path / "o"),
+                   "--epochs", "1", *args, *QUICK)  # fmt: skip
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("etgraph: error:"), done.stderr
+    assert fragment in lines[0]
+
+
+def test_train_usage_errors(tmp_path, profile_json):
+    missing_out = run_cli("train", "--profile", str(profile_json))
+    assert missing_out.returncode == 1 and "--out" in missing_out.stderr
+    no_model = run_cli("train", str(tmp_path / "nope.onnx"), "--out", str(tmp_path / "o"))
+    assert no_model.returncode == 1 and "does not exist" in no_model.stderr
+    no_run = run_cli("train", "--resume", str(tmp_path / "empty"))
+    assert no_run.returncode == 1 and "no training run" in no_run.stderr
+    bad_strategy = run_cli("train", "--strategy", "random", "--out", str(tmp_path / "o"))
+    assert bad_strategy.returncode == 2
