@@ -1,0 +1,59 @@
+"""``etgraph profile``: writes profile.json, uses the cache, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from etgraph import graph, onnx_io
+
+
+def run_cli(*args: str, env_cache) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ETGRAPH_CACHE=str(env_cache))
+    return subprocess.run(
+        [sys.executable, "-m", "etgraph", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
+    out = tmp_path / "profile.json"
+    args = ("profile", str(tiny_cnn_onnx), "--repeats", "3", "--threads", "1", "-o", str(out))
+    first = run_cli(*args, "--batch-size", "2", env_cache=tmp_path / "cache")
+    assert first.returncode == 0, first.stderr
+    assert "tensors, batch 2, input 3x32x32, 1 threads" in first.stdout
+    assert "full step" in first.stdout and "wrote" in first.stdout
+    data = json.loads(out.read_text())
+    model = onnx_io.load_model(tiny_cnn_onnx)
+    names = [t.name for t in graph.trainable_tensors(model)]
+    assert [r["name"] for r in data["tensor_timings"]] == names
+    assert all(r["t_dw_us"] >= 0 and r["t_dy_us"] >= 0 for r in data["tensor_timings"])
+    assert data["batch_size"] == 2 and data["input_shape"] == [3, 32, 32]
+    assert data["threads"] == 1 and data["model_hash"] == onnx_io.model_hash(model)
+    assert data["full_step_us"] > 0 and data["forward_us"] > 0
+    assert data["ort_version"] and data["host"]
+    cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
+    assert len(cached) == 1
+
+    second = run_cli(*args, "--batch-size", "2", env_cache=tmp_path / "cache")
+    assert second.returncode == 0, second.stderr
+    again = json.loads(out.read_text())
+    assert again["tensor_timings"] == data["tensor_timings"]
+    assert again["profiling_s"] == data["profiling_s"]  # not re-measured
+
+
+def test_profile_errors_are_one_line(tmp_path):
+    missing = run_cli("profile", str(tmp_path / "nope.onnx"), env_cache=tmp_path)
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("etgraph: error:")
+    assert len(missing.stderr.strip().splitlines()) == 1
+    bad_shape = run_cli(
+        "profile", str(tmp_path / "nope.onnx"), "--input-shape", "3x32", env_cache=tmp_path
+    )
+    assert bad_shape.returncode == 1
+    assert "input shape" in bad_shape.stderr
