@@ -77,6 +77,9 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from exc
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model with a graph (empty or truncated file?)")
+    if model.ir_version > MAX_IR_VERSION:  # onnx 1.17's checker itself stops at IR 10
+        log.info("%s: IR version %d lowered to %d", path, model.ir_version, MAX_IR_VERSION)
+        model.ir_version = MAX_IR_VERSION
     try:
         onnx.checker.check_model(model)
     except Exception as exc:

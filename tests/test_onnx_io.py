@@ -193,6 +193,12 @@ def test_opset_above_21_is_converted_or_refused(tmp_path):
     assert legal.opset_import[0].version <= 21
 
 
+def test_ir_version_above_10_is_lowered(tmp_path):
+    model = conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r")
+    model.ir_version = 11
+    assert load_model(save(model, tmp_path)).ir_version == 10
+
+
 def test_input_shape_static_symbolic_and_override():
     model = conv_head([], "c")
     assert input_shape(model) == (3, 8, 8)
