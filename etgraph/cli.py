@@ -119,8 +119,15 @@ def inspect_command(target: str, fmt: str, out_dir: str | None, render: bool) ->
     help="Profile cache directory [$ETGRAPH_CACHE/profiles or ~/.cache/etgraph/profiles].",
 )
 @click.option("--no-cache", is_flag=True, help="Always measure; do not read or write the cache.")
+@click.option(
+    "--clock",
+    type=click.Choice(["wall", "cpu"]),
+    default="wall",
+    show_default=True,
+    help="Time real steps by wall clock, or by CPU time (needs --threads 1; shared machines).",
+)
 def profile_command(
-    model, batch_size, input_shape, repeats, warmup, threads, output, cache_dir, no_cache
+    model, batch_size, input_shape, repeats, warmup, threads, output, cache_dir, no_cache, clock
 ):
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
     from .onnx_io import parse_input_shape
@@ -136,6 +143,7 @@ def profile_command(
         warmup=warmup,
         threads=threads,
         cache_dir=cache,
+        clock=clock,
     )
     path = prof.save(output)
     dw, dy = prof.t_dw_us, prof.t_dy_us

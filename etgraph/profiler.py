@@ -99,6 +99,7 @@ class Profile:
             optimizer_fixed_us + step_overhead_us``.
         full_step_us: MEASURED step (robust_time) with all tensors trainable (training API), µs.
         batch_size, input_shape (C, H, W), threads (intra-op threads), ort_version, host.
+        clock: how real steps were timed, ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
         forward_pass_us: forward + loss kernels (+ per-node overhead), µs.
         optimizer_fixed_us, optimizer_per_tensor_us, optimizer_per_element_us: AdamW fit, µs.
         node_overhead_us: executor cost per node outside its kernel, µs.
@@ -123,6 +124,7 @@ class Profile:
     threads: int
     ort_version: str
     host: str
+    clock: str = "wall"
     forward_pass_us: float = 0.0
     optimizer_fixed_us: float = 0.0
     optimizer_per_tensor_us: float = 0.0
@@ -214,12 +216,13 @@ class Profile:
         batch_size: int | None = None,
         input_shape: Sequence[int] | None = None,
         threads: int | None = None,
+        clock: str | None = None,
     ) -> None:
         """Raise :class:`ProfileMismatchError` unless this profile fits the given setting.
 
         Args:
             model_hash: :func:`etgraph.onnx_io.model_hash` of the model it is used for.
-            batch_size, input_shape, threads: checked when given.
+            batch_size, input_shape, threads, clock: checked when given.
         """
         if model_hash != self.model_hash:
             raise ProfileMismatchError(
@@ -241,6 +244,10 @@ class Profile:
                 f"profile was measured with {self.threads} threads, not {threads}: "
                 "re-profile with --threads"
             )
+        if clock is not None and clock != self.clock:
+            raise ProfileMismatchError(
+                f"profile timed steps with the {self.clock} clock, not {clock}: re-profile"
+            )
 
     def predicted_step_us(self, mask) -> float:
         """:func:`etgraph.timing.step_us` of ``mask`` (bool [N]) with this profile's timings."""
@@ -260,9 +267,11 @@ def default_cache_dir() -> Path:
     return base / "profiles"
 
 
-def profile_key(model_hash: str, input_shape: Sequence[int], batch_size: int, threads: int) -> str:
-    """Cache key of a profile: sha256 over model hash, input shape, batch size and threads."""
-    text = f"{model_hash}|{_fmt_shape(input_shape)}|{int(batch_size)}|{int(threads)}"
+def profile_key(
+    model_hash: str, input_shape: Sequence[int], batch_size: int, threads: int, clock: str = "wall"
+) -> str:
+    """Cache key of a profile: sha256 over model hash, input shape, batch size, threads, clock."""
+    text = f"{model_hash}|{_fmt_shape(input_shape)}|{int(batch_size)}|{int(threads)}|{clock}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -304,6 +313,31 @@ def host_description() -> str:
 #: the distribution is what is reproducible (the median of a 2-core box shared by busy
 #: neighbours moves by 2x between minutes). Same statistic for profiling and validation.
 TIME_QUANTILE = 0.2
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def step_clock(clock: str, threads: int):
+    """The timer for real steps: ``"wall"`` = ``time.perf_counter`` (the paper's wall clock,
+    default); ``"cpu"`` = ``time.thread_time``, the CPU time of the calling thread, which with
+    one intra-op thread (ORT then runs every kernel on the caller) is the step's compute time
+    without the time other processes take the core away — for validating the time model on a
+    shared machine.
+
+    Raises:
+        ConfigError: unknown clock, or ``"cpu"`` with ``threads != 1`` (other threads' work
+            would not be counted).
+    """
+    if clock == "wall":
+        return time.perf_counter
+    if clock == "cpu":
+        if threads != 1:
+            raise ConfigError(
+                f"the cpu clock needs --threads 1 (got {threads}): use the wall clock"
+            )
+        return time.thread_time
+    raise ConfigError(f"clock must be one of {CLOCKS}, got {clock!r}")
 
 
 def robust_time(values) -> float:
@@ -415,9 +449,10 @@ class _ProfiledGraph:
 class _TrainStep:
     """Real training steps with ``onnxruntime.training.api`` (one step per round)."""
 
-    def __init__(self, artifact_dir, batch, *, threads):
+    def __init__(self, artifact_dir, batch, *, threads, clock="wall"):
         from onnxruntime.training import api
 
+        self.clock = step_clock(clock, threads)
         d = Path(artifact_dir)
         self.batch = batch
         self.state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
@@ -432,11 +467,11 @@ class _TrainStep:
         self.times: list[float] = []
 
     def step(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.module(self.batch.inputs, self.batch.labels)
         self.optimizer.step()
         self.module.lazy_reset_grad()
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(self.clock() - t0)
 
     def result(self, warmup: int) -> float:
         return robust_time(self.times[warmup:]) * 1e6
@@ -571,6 +606,7 @@ def measure_train_steps_us(
     threads: int,
     repeats: int,
     warmup: int,
+    clock: str = "wall",
 ) -> list[float]:
     """Median wall time (µs) of one real training step for each set of artifacts.
 
@@ -582,11 +618,12 @@ def measure_train_steps_us(
     Args:
         artifact_dirs: directories of the four artifacts (:class:`etgraph.artifacts.ArtifactPaths`).
         batch: input and labels. threads: intra-op threads. repeats, warmup: rounds.
+        clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
 
     Returns:
         One robust_time per directory, µs, in the given order.
     """
-    runners = [_TrainStep(d, batch, threads=threads) for d in artifact_dirs]
+    runners = [_TrainStep(d, batch, threads=threads, clock=clock) for d in artifact_dirs]
     _round_robin(runners, repeats, warmup)
     return [r.result(warmup) for r in runners]
 
@@ -601,6 +638,7 @@ def measure_selection_steps_us(
     repeats: int = 10,
     warmup: int = 3,
     work_dir: str | os.PathLike | None = None,
+    clock: str = "wall",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Measured step times (µs) of training exactly the tensors of each mask.
 
@@ -614,6 +652,7 @@ def measure_selection_steps_us(
         model_path: forward ONNX model. masks: bool [K, N], forward order, no empty row.
         batch_size, input_shape, threads, repeats, warmup: as in :func:`profile_model`.
         work_dir: where the artifacts go (default: a temporary directory, removed).
+        clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
 
     Returns:
         ``(mask_us float64 [K], full_us float64 [K])``.
@@ -626,6 +665,7 @@ def measure_selection_steps_us(
     model = onnx_io.load_model(model_path)
     shape = tuple(onnx_io.input_shape(model, input_shape))
     threads = physical_cores() if threads is None else int(threads)
+    step_clock(clock, threads)
     tensors = graph.trainable_tensors(model)
     masks = np.atleast_2d(np.asarray(masks, dtype=bool))
     if masks.shape[1] != len(tensors) or not masks.any(axis=1).all():
@@ -642,7 +682,7 @@ def measure_selection_steps_us(
             frozen = [n for n, m in zip(names, mask, strict=True) if not m] + stats
             d = artifacts.generate(model_b, trainable, frozen, Path(work) / f"m{k}").directory
             m_us, f_us = measure_train_steps_us(
-                [d, full_dir], batch, threads=threads, repeats=repeats, warmup=warmup
+                [d, full_dir], batch, threads=threads, repeats=repeats, warmup=warmup, clock=clock
             )
             mask_us.append(m_us)
             full_us.append(f_us)
@@ -820,6 +860,7 @@ def profile_model(
     warmup: int = 3,
     threads: int | None = None,
     cache_dir: str | os.PathLike | None = None,
+    clock: str = "wall",
 ) -> Profile:
     """Profile per-tensor backward times of an ONNX model on this device (paper §5).
 
@@ -834,7 +875,10 @@ def profile_model(
         repeats, warmup: measured / discarded runs per measurement (repeats >= 1, warmup >= 0).
         threads: ORT intra-op threads; None = physical cores. Recorded in the profile.
         cache_dir: if given, profiles are cached there as ``<key>.json`` keyed by model hash,
-            input shape, batch size and threads (:func:`profile_key`); a hit is returned as is.
+            input shape, batch size, threads and clock (:func:`profile_key`); a hit is
+            returned as is.
+        clock: how real steps (``full_step_us``, calibration) are timed: ``"wall"`` (default)
+            or ``"cpu"`` (thread CPU time, needs ``threads=1``; see :func:`step_clock`).
 
     Returns:
         The :class:`Profile` (``t_dw_us``/``t_dy_us`` float64 [N], forward order).
@@ -853,24 +897,27 @@ def profile_model(
     threads = physical_cores() if threads is None else int(threads)
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
+    step_clock(clock, threads)
     model = onnx_io.load_model(model_path)
     shape = tuple(onnx_io.input_shape(model, input_shape))
     model_hash = onnx_io.model_hash(model)
 
     cache_path = None
     if cache_dir is not None:
-        cache_path = Path(cache_dir) / f"{profile_key(model_hash, shape, batch_size, threads)}.json"
+        cache_path = (
+            Path(cache_dir) / f"{profile_key(model_hash, shape, batch_size, threads, clock)}.json"
+        )
         if cache_path.is_file():
             cached = Profile.load(cache_path)
             cached.check_matches(
-                model_hash, batch_size=batch_size, input_shape=shape, threads=threads
+                model_hash, batch_size=batch_size, input_shape=shape, threads=threads, clock=clock
             )
             log.info("profile cache hit: %s", cache_path)
             return cached
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work:
-        prof = _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, work)
+        prof = _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, clock, work)
     prof.profiling_s = time.perf_counter() - start
     log.info("profiled %d tensors in %.1f s", len(prof.tensors), prof.profiling_s)
     if cache_path is not None:
@@ -878,7 +925,9 @@ def profile_model(
     return prof
 
 
-def _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, work) -> Profile:
+def _profile(
+    model, model_hash, shape, batch_size, repeats, warmup, threads, clock, work
+) -> Profile:
     import onnxruntime as ort
 
     from . import artifacts, graph
@@ -912,7 +961,7 @@ def _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, wor
         c: _ProfiledGraph(d / "training_model.onnx", weights, batch, threads=threads, work_dir=work)
         for c, d in art_dirs.items()
     }
-    steps = {c: _TrainStep(d, batch, threads=threads) for c, d in art_dirs.items()}
+    steps = {c: _TrainStep(d, batch, threads=threads, clock=clock) for c, d in art_dirs.items()}
     params = {n: weights[n].astype(np.float32) for n in names}
     optimizer = _OptimizerSubsets(
         art_dirs["full"] / "optimizer_model.onnx",
@@ -972,6 +1021,7 @@ def _profile(model, model_hash, shape, batch_size, repeats, warmup, threads, wor
         batch_size=int(batch_size),
         input_shape=shape,
         threads=threads,
+        clock=clock,
         ort_version=ort.__version__,
         host=host_description(),
         forward_pass_us=float(forward_pass),

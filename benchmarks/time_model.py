@@ -1,0 +1,285 @@
+"""Validate the time model (paper §2.2, Eq. 3) against measured training steps.
+
+For each model: export it (plain-torch zoo, ``models/export.py``), profile it
+(:func:`etgraph.profiler.profile_model`), then for 20 random selection masks plus the DP masks at
+rho = 0.3 ... 0.8 generate training artifacts for exactly that selection, measure the real step
+(``onnxruntime.training.api``: Module step + AdamW step + lazy_reset_grad) and compare with
+:func:`etgraph.timing.step_us`.
+
+Random masks: the earliest selected index is drawn uniformly, then each later tensor is selected
+with a probability drawn uniformly per mask (uniform Bernoulli masks would all start near 0 and
+all cost about a full backward pass). DP masks use a data-free importance prior (each tensor's
+share of the parameters, as ``etgraph compile`` does without data).
+
+Defaults: batch 4, input 3x128x128 (128 px keeps each model's run within ~15 minutes on 2 cores;
+224 px is ~3x slower), 10 classes, 5 measured + 2 warm-up steps per mask.
+
+The machine may be shared: masks are measured in groups round-robin with full training (one
+step each per round), so each mask has a full step measured under the same load. Two errors are
+reported: ``abs`` compares ``step_us(M)`` with the measured step as is; ``at speed`` first
+rescales the prediction by ``measured full step / profiled full step`` of that group (what the
+error would be if the machine ran at the speed it had while profiling).
+
+Usage::
+
+    python benchmarks/time_model.py                       # all four models
+    python benchmarks/time_model.py --models resnet50 --threads 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the models/ package lives beside etgraph/
+
+from etgraph import graph, onnx_io, profiler, selection, timing  # noqa: E402
+from etgraph.errors import InfeasibleBudgetError  # noqa: E402
+
+log = logging.getLogger("time_model")
+
+MODELS = ("resnet50", "vgg16", "mobilenet_v2", "vit_b16")
+RHOS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def random_masks(n: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``count`` random non-empty masks over ``n`` tensors: earliest selected index uniform in
+    [0, n), then each later tensor selected with probability p ~ U(0, 1) (one p per mask)."""
+    masks = []
+    for _ in range(count):
+        first = int(rng.integers(0, n))
+        mask = np.zeros(n, dtype=bool)
+        mask[first] = True
+        mask[first + 1 :] = rng.random(n - first - 1) < rng.random()
+        masks.append(mask)
+    return masks
+
+
+def dp_masks(prof: profiler.Profile, importance: np.ndarray) -> list[tuple[float, np.ndarray]]:
+    """DP selections (:func:`etgraph.selection.select_tensors`) at each rho in :data:`RHOS`."""
+    out = []
+    for rho in RHOS:
+        budget = timing.budget_us(rho, prof.forward_us, prof.full_step_us)
+        try:
+            chosen = selection.select_tensors(
+                prof.t_dw_us,
+                prof.t_dy_us,
+                importance,
+                budget,
+                resolution=2000,
+                forward_us=prof.forward_us,
+                full_step_us=prof.full_step_us,
+            )
+        except InfeasibleBudgetError:
+            log.info("rho %.1f infeasible", rho)
+            continue
+        out.append((rho, np.asarray(chosen.mask, dtype=bool)))
+    return out
+
+
+def profiling_overhead(prof: profiler.Profile, input_shape) -> float:
+    """Profiling wall time as a fraction of one training epoch of the default dataset (digits
+    5-9 transfer task) at the profile's batch size and measured full step time."""
+    from etgraph.data import load_dataset
+
+    ds = load_dataset(None, input_shape=tuple(input_shape))
+    epoch_s = ds.steps_per_epoch(prof.batch_size) * prof.full_step_us * 1e-6
+    return prof.profiling_s / epoch_s
+
+
+def run_model(
+    name: str,
+    *,
+    batch_size: int,
+    input_size: int,
+    num_masks: int,
+    repeats: int,
+    warmup: int,
+    threads: int | None,
+    group: int,
+    seed: int,
+    work: Path,
+    clock: str = "wall",
+) -> dict:
+    """Export, profile and validate one model; returns its result row (and per-mask data)."""
+    from models.export import export_onnx
+
+    shape = (3, input_size, input_size)
+    path = export_onnx(name, work / f"{name}.onnx", input_shape=shape, num_classes=10, seed=0)
+    model = onnx_io.load_model(path)
+    tensors = graph.trainable_tensors(model)
+    t0 = time.perf_counter()
+    prof = profiler.profile_model(
+        path, batch_size=batch_size, repeats=repeats, warmup=warmup, threads=threads, clock=clock
+    )
+    log.info(
+        "%s: %d tensors, profiled in %.0f s, full step %.0f ms",
+        name,
+        len(tensors),
+        time.perf_counter() - t0,
+        prof.full_step_us / 1e3,
+    )
+    rng = np.random.default_rng(seed)
+    params = np.array([t.params for t in tensors], dtype=np.float64)
+    labelled = [("random", m) for m in random_masks(len(tensors), num_masks, rng)]
+    labelled += [(f"dp rho={rho:.1f}", m) for rho, m in dp_masks(prof, params / params.sum())]
+    masks = np.array([m for _, m in labelled])
+    measured, full = measure_grouped(
+        path, masks, prof, repeats=repeats, warmup=warmup, group=group, work=work
+    )
+    predicted = np.array([prof.predicted_step_us(m) for m in masks])
+    err_abs = 100.0 * (predicted / measured - 1.0)
+    err_speed = 100.0 * (predicted * (full / prof.full_step_us) / measured - 1.0)
+    rows = [
+        {
+            "label": label,
+            "selected": int(m.sum()),
+            "earliest": int(np.argmax(m)),
+            "measured_us": float(a),
+            "predicted_us": float(p),
+            "full_measured_us": float(f),
+            "error_pct": float(e),
+            "error_at_speed_pct": float(s),
+        }
+        for (label, m), a, p, f, e, s in zip(
+            labelled, measured, predicted, full, err_abs, err_speed, strict=True
+        )
+    ]
+    return {
+        "model": name,
+        "tensors": len(tensors),
+        "masks": len(masks),
+        "mean_abs_error_pct": float(np.mean(np.abs(err_abs))),
+        "max_abs_error_pct": float(np.max(np.abs(err_abs))),
+        "mean_abs_error_at_speed_pct": float(np.mean(np.abs(err_speed))),
+        "max_abs_error_at_speed_pct": float(np.max(np.abs(err_speed))),
+        "full_step_ms": prof.full_step_us / 1e3,
+        "profiling_s": prof.profiling_s,
+        "profiling_epoch_fraction": profiling_overhead(prof, shape),
+        "threads": prof.threads,
+        "clock": prof.clock,
+        "checks": prof.checks,
+        "per_mask": rows,
+    }
+
+
+def measure_grouped(path, masks, prof, *, repeats, warmup, group, work):
+    """Measured step (µs) of each mask and of full training in the same round-robin group."""
+    from etgraph import artifacts
+
+    model = onnx_io.load_model(path)
+    tensors = [t.name for t in graph.trainable_tensors(model)]
+    stats = graph.running_statistics(model)
+    model_b = profiler._with_batch(model, prof.batch_size, prof.input_shape)
+    batch = profiler._make_batch(prof.batch_size, prof.input_shape, profiler._num_classes(model))
+    measured = np.zeros(len(masks))
+    full = np.zeros(len(masks))
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        full_dir = artifacts.generate(model_b, tensors, stats, Path(tmp) / "full").directory
+        for start in range(0, len(masks), group):
+            dirs = []
+            for k in range(start, min(start + group, len(masks))):
+                sel = [n for n, m in zip(tensors, masks[k], strict=True) if m]
+                rest = [n for n, m in zip(tensors, masks[k], strict=True) if not m] + stats
+                dirs.append(artifacts.generate(model_b, sel, rest, Path(tmp) / f"m{k}").directory)
+            times = profiler.measure_train_steps_us(
+                [*dirs, full_dir],
+                batch,
+                threads=prof.threads,
+                repeats=repeats,
+                warmup=warmup,
+                clock=prof.clock,
+            )
+            measured[start : start + len(dirs)] = times[:-1]
+            full[start : start + len(dirs)] = times[-1]
+            log.info("masks %d-%d measured", start, start + len(dirs) - 1)
+    return measured, full
+
+
+def print_table(results: list[dict]) -> None:
+    head = (
+        f"{'model':<13} {'masks':>5} {'mean|err|%':>10} {'max|err|%':>9} "
+        f"{'mean@speed%':>11} {'max@speed%':>10} {'full ms':>8} {'profile s':>9} {'%epoch':>7}"
+    )
+    click.echo(head)
+    click.echo("-" * len(head))
+    for r in results:
+        click.echo(
+            f"{r['model']:<13} {r['masks']:>5} {r['mean_abs_error_pct']:>10.1f} "
+            f"{r['max_abs_error_pct']:>9.1f} {r['mean_abs_error_at_speed_pct']:>11.1f} "
+            f"{r['max_abs_error_at_speed_pct']:>10.1f} {r['full_step_ms']:>8.0f} "
+            f"{r['profiling_s']:>9.0f} {100 * r['profiling_epoch_fraction']:>7.1f}"
+        )
+
+
+@click.command()
+@click.option("--models", default=",".join(MODELS), show_default=True)
+@click.option("--batch-size", default=4, show_default=True)
+@click.option("--input-size", default=128, show_default=True, help="H = W in pixels.")
+@click.option("--masks", "num_masks", default=20, show_default=True, help="Random masks.")
+@click.option("--repeats", default=5, show_default=True)
+@click.option("--warmup", default=2, show_default=True)
+@click.option("--threads", default=None, type=int, help="Intra-op threads [physical cores].")
+@click.option(
+    "--clock",
+    type=click.Choice(["wall", "cpu"]),
+    default="wall",
+    show_default=True,
+    help="cpu = thread CPU time (needs --threads 1): immune to other processes' load.",
+)
+@click.option("--group", default=4, show_default=True, help="Masks per round-robin group.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "json_out", default=None, help="Also write all results here.")
+@click.option("--work-dir", default=None, help="Where models and artifacts go [tmp].")
+def main(
+    models,
+    batch_size,
+    input_size,
+    num_masks,
+    repeats,
+    warmup,
+    threads,
+    clock,
+    group,
+    seed,
+    json_out,
+    work_dir,
+):
+    """Print model, masks, mean/max |error| % of step_us against measured steps."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="etgraph-time-model-", dir=work_dir) as tmp:
+        for name in models.split(","):
+            row = run_model(
+                name.strip(),
+                batch_size=batch_size,
+                input_size=input_size,
+                num_masks=num_masks,
+                repeats=repeats,
+                warmup=warmup,
+                threads=threads,
+                group=group,
+                seed=seed,
+                work=Path(tmp),
+                clock=clock,
+            )
+            results.append(row)
+            print_table([row])
+            if json_out:
+                Path(json_out).write_text(json.dumps(results, indent=1))
+    click.echo("")
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
