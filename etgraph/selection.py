@@ -123,7 +123,14 @@ def _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us) -> None:
     min_rho = float("nan")
     if forward_us is not None and full_step_us is not None and float(full_step_us) > 0:
         min_rho = (float(forward_us) + cheapest_us) / float(full_step_us)
-        msg += f"; raise rho to at least {min_rho:.4f}"
+        if min_rho <= 1.0:  # rounded up, so the rho the message names is feasible
+            msg += f"; raise rho to at least {math.ceil(min_rho * 1e4) / 1e4:.4f}"
+        else:
+            msg += (
+                f"; even rho=1 is infeasible (forward + cheapest tensor = {min_rho:.2f} x the "
+                "measured full step): the profile is too noisy, re-profile with more --repeats "
+                "on a quieter machine"
+            )
     else:
         msg += f"; raise the budget to at least {cheapest_us:.1f} us"
     raise InfeasibleBudgetError(msg, min_rho=min_rho)
