@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("etgraph: interrupted", err=True)
         sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # usage errors: one line too, click's exit code (2)
+        hint = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) else ""
+        click.echo(f"etgraph: error: {exc.format_message()}{hint}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
@@ -47,6 +48,16 @@ def main(argv: list[str] | None = None) -> None:
             raise
         click.echo(f"etgraph: error: {exc}", err=True)
         sys.exit(1)
+    except Exception as exc:  # a bug, not a user error: one line, the traceback with --debug
+        if debug:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        click.echo(
+            f"etgraph: internal error: {type(exc).__name__}: {first} "
+            "(a bug: rerun with --debug for the traceback and report it)",
+            err=True,
+        )
+        sys.exit(3)
 
 
 # ---- commands: each parses options, calls the Python API, prints. Keep them thin. ----
