@@ -250,7 +250,10 @@ def probe_importance(
         for init in model.graph.initializer
         if init.name in set(names) | set(frozen)
     }
-    dataset = load_dataset(data, input_shape=tuple(input_shape))
+    out_dims = model.graph.output[0].type.tensor_type.shape.dim
+    num_classes = out_dims[-1].dim_value if len(out_dims) and out_dims[-1].dim_value > 0 else None
+    # labels >= the model's outputs must never reach ORT's loss: DataError names the folders
+    dataset = load_dataset(data, input_shape=tuple(input_shape), num_classes=num_classes)
     batches = [dataset.probe_batch(batch_size, seed + i) for i in range(probe_batches)]
     with tempfile.TemporaryDirectory(prefix="etgraph-importance-") as tmp:
         root = Path(cache_dir) if cache_dir is not None else Path(tmp)
