@@ -634,6 +634,22 @@ class TrainResult:
     trained_model: str
 
 
+def release_native_memory() -> None:
+    """Return freed native heap to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Rebuilding ORT sessions every period (importance, re-selection) frees and re-allocates
+    hundreds of buffers; glibc keeps the freed pages, so RSS creeps up by ~10% over 12
+    re-selections on the default model, then plateaus. Trimming after each re-selection keeps
+    RSS flat (measured: 326 MiB after 1 and after 40 importance evaluations).
+    """
+    import ctypes
+
+    # No gc.collect(): sessions are freed by reference counting, and a full collection costs
+    # ~0.2 s once torch is imported (onnxruntime.training imports it); malloc_trim costs ~1-6 ms.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _rss_reset_peak() -> None:
     """Reset this process's peak RSS counter (Linux ``clear_refs``), if allowed."""
     with contextlib.suppress(OSError):
@@ -851,6 +867,7 @@ class _Run:
             session = TrainingSession(paths, ckpt, self.threads)
         else:
             t3 = time.perf_counter()
+        release_native_memory()
         t4 = time.perf_counter()
         timings = {
             "importance_s": t1 - t0,
