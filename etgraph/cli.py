@@ -343,7 +343,16 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads):
     elif not source.is_file():
         raise ModelError(f"model {source} does not exist: pass an ONNX file or compiled dir")
     if profile_path is not None:
-        return source, Profile.load(profile_path)
+        profile = Profile.load(profile_path)
+        if input_shape and tuple(parse_input_shape(input_shape)) != tuple(profile.input_shape):
+            from .errors import ProfileMismatchError
+
+            raise ProfileMismatchError(
+                f"profile {profile_path} was measured at input shape "
+                f"{'x'.join(map(str, profile.input_shape))}, not {input_shape}: re-profile with "
+                "--input-shape or drop --profile"
+            )
+        return source, profile
     click.echo(f"profiling {source.name} on this device (cached) ...", err=True)
     profile = profile_model(
         source,
