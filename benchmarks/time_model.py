@@ -133,8 +133,17 @@ def run_model(
     labelled = [("random", m) for m in random_masks(len(tensors), num_masks, rng)]
     labelled += [(f"dp rho={rho:.1f}", m) for rho, m in dp_masks(prof, params / params.sum())]
     masks = np.array([m for _, m in labelled])
-    measured, full = measure_grouped(
-        path, masks, prof, repeats=repeats, warmup=warmup, group=group, work=work
+    measured, full = profiler.measure_selection_steps_us(
+        path,
+        masks,
+        batch_size=prof.batch_size,
+        input_shape=prof.input_shape,
+        threads=prof.threads,
+        repeats=repeats,
+        warmup=warmup,
+        work_dir=work,
+        clock=prof.clock,
+        group=group,
     )
     predicted = np.array([prof.predicted_step_us(m) for m in masks])
     err_abs = 100.0 * (predicted / measured - 1.0)
@@ -170,39 +179,6 @@ def run_model(
         "checks": prof.checks,
         "per_mask": rows,
     }
-
-
-def measure_grouped(path, masks, prof, *, repeats, warmup, group, work):
-    """Measured step (µs) of each mask and of full training in the same round-robin group."""
-    from etgraph import artifacts
-
-    model = onnx_io.load_model(path)
-    tensors = [t.name for t in graph.trainable_tensors(model)]
-    stats = graph.running_statistics(model)
-    model_b = profiler._with_batch(model, prof.batch_size, prof.input_shape)
-    batch = profiler._make_batch(prof.batch_size, prof.input_shape, profiler._num_classes(model))
-    measured = np.zeros(len(masks))
-    full = np.zeros(len(masks))
-    with tempfile.TemporaryDirectory(dir=work) as tmp:
-        full_dir = artifacts.generate(model_b, tensors, stats, Path(tmp) / "full").directory
-        for start in range(0, len(masks), group):
-            dirs = []
-            for k in range(start, min(start + group, len(masks))):
-                sel = [n for n, m in zip(tensors, masks[k], strict=True) if m]
-                rest = [n for n, m in zip(tensors, masks[k], strict=True) if not m] + stats
-                dirs.append(artifacts.generate(model_b, sel, rest, Path(tmp) / f"m{k}").directory)
-            times = profiler.measure_train_steps_us(
-                [*dirs, full_dir],
-                batch,
-                threads=prof.threads,
-                repeats=repeats,
-                warmup=warmup,
-                clock=prof.clock,
-            )
-            measured[start : start + len(dirs)] = times[:-1]
-            full[start : start + len(dirs)] = times[-1]
-            log.info("masks %d-%d measured", start, start + len(dirs) - 1)
-    return measured, full
 
 
 def print_table(results: list[dict]) -> None:

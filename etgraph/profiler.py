@@ -477,6 +477,19 @@ class _TrainStep:
         return robust_time(self.times[warmup:]) * 1e6
 
 
+@dataclass
+class OptimizerFit:
+    """AdamW kernel time model: ``fixed_us + per_tensor_us * count + per_element_us * elements``."""
+
+    fixed_us: float
+    per_tensor_us: float
+    per_element_us: float
+
+    def tensor_us(self, numel: np.ndarray) -> np.ndarray:
+        """Per-tensor part (µs) for tensors of ``numel`` elements, float64 [N]."""
+        return self.per_tensor_us + self.per_element_us * np.asarray(numel, dtype=np.float64)
+
+
 class _OptimizerSubsets:
     """The ``AdamWOptimizer`` node, profiled on several subsets of tensors (each once per round)."""
 
@@ -639,23 +652,26 @@ def measure_selection_steps_us(
     warmup: int = 3,
     work_dir: str | os.PathLike | None = None,
     clock: str = "wall",
+    group: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Measured step times (µs) of training exactly the tensors of each mask.
 
     For each mask, artifacts are generated (``requires_grad`` = selected tensors; the others and
-    the BatchNorm running statistics frozen) and stepped round-robin with the full-training
-    artifacts (:func:`measure_train_steps_us`), so each mask also gets a full step measured
-    under the same machine load. This is the ground truth :func:`etgraph.timing.step_us` is
-    validated against (tests, ``benchmarks/time_model.py``).
+    the BatchNorm running statistics frozen); groups of ``group`` masks are stepped round-robin
+    with the full-training artifacts (:func:`measure_train_steps_us`), so each mask also gets a
+    full step measured under the same machine load. This is the ground truth
+    :func:`etgraph.timing.step_us` is validated against (tests, ``benchmarks/time_model.py``).
 
     Args:
         model_path: forward ONNX model. masks: bool [K, N], forward order, no empty row.
         batch_size, input_shape, threads, repeats, warmup: as in :func:`profile_model`.
         work_dir: where the artifacts go (default: a temporary directory, removed).
         clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
+        group: masks per round-robin group (more = fewer full steps, more memory).
 
     Returns:
-        ``(mask_us float64 [K], full_us float64 [K])``.
+        ``(mask_us float64 [K], full_us float64 [K])``: each mask's step and the full step of
+        its group.
 
     Raises:
         ConfigError: a mask is empty or has the wrong length.
@@ -674,20 +690,31 @@ def measure_selection_steps_us(
     stats = list(graph.running_statistics(model))
     model_b = _with_batch(model, batch_size, shape)
     batch = _make_batch(batch_size, shape, _num_classes(model))
-    mask_us, full_us = [], []
+    mask_us = np.zeros(len(masks))
+    full_us = np.zeros(len(masks))
     with tempfile.TemporaryDirectory(prefix="etgraph-steps-", dir=work_dir) as work:
         full_dir = artifacts.generate(model_b, names, stats, Path(work) / "full").directory
-        for k, mask in enumerate(masks):
-            trainable = [n for n, m in zip(names, mask, strict=True) if m]
-            frozen = [n for n, m in zip(names, mask, strict=True) if not m] + stats
-            d = artifacts.generate(model_b, trainable, frozen, Path(work) / f"m{k}").directory
-            m_us, f_us = measure_train_steps_us(
-                [d, full_dir], batch, threads=threads, repeats=repeats, warmup=warmup, clock=clock
+        for start in range(0, len(masks), group):
+            dirs = []
+            for k in range(start, min(start + group, len(masks))):
+                trainable = [n for n, m in zip(names, masks[k], strict=True) if m]
+                frozen = [n for n, m in zip(names, masks[k], strict=True) if not m] + stats
+                paths = artifacts.generate(model_b, trainable, frozen, Path(work) / f"m{k}")
+                dirs.append(paths.directory)
+            times = measure_train_steps_us(
+                [*dirs, full_dir],
+                batch,
+                threads=threads,
+                repeats=repeats,
+                warmup=warmup,
+                clock=clock,
             )
-            mask_us.append(m_us)
-            full_us.append(f_us)
-            shutil.rmtree(d, ignore_errors=True)
-    return np.array(mask_us), np.array(full_us)
+            mask_us[start : start + len(dirs)] = times[:-1]
+            full_us[start : start + len(dirs)] = times[-1]
+            log.info("selections %d-%d measured", start, start + len(dirs) - 1)
+            for d in dirs:
+                shutil.rmtree(d, ignore_errors=True)
+    return mask_us, full_us
 
 
 def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 30) -> float:
@@ -721,19 +748,6 @@ def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 3
             times.append(time.perf_counter() - t0)
         medians.append(robust_time(times[3:]))
     return max(0.0, (medians[1] - medians[0]) * 1e6 / (nodes - 1))
-
-
-@dataclass
-class OptimizerFit:
-    """AdamW kernel time model: ``fixed_us + per_tensor_us * count + per_element_us * elements``."""
-
-    fixed_us: float
-    per_tensor_us: float
-    per_element_us: float
-
-    def tensor_us(self, numel: np.ndarray) -> np.ndarray:
-        """Per-tensor part (µs) for tensors of ``numel`` elements, float64 [N]."""
-        return self.per_tensor_us + self.per_element_us * np.asarray(numel, dtype=np.float64)
 
 
 def measure_optimizer(
