@@ -1190,6 +1190,17 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
             f"checkpoint {out / CHECKPOINT_FILE} lacks tensors {sorted(missing)[:3]}: "
             "it belongs to another model"
         )
+    # A tensor of the wrong shape or dtype would fail deep inside ORT: refuse it here.
+    for init in run.model.graph.initializer:
+        if init.name in carried.weights:
+            have = carried.weights[init.name]
+            want = (tuple(init.dims), onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
+            if (have.shape, have.dtype) != want:
+                raise CheckpointError(
+                    f"checkpoint {out / CHECKPOINT_FILE} holds {init.name!r} as {have.dtype} "
+                    f"{list(have.shape)}, the model needs {want[1]} {list(want[0])}: it is "
+                    "corrupt or of another model; delete the run directory to start over"
+                )
     records = [r for r in records if r["epoch"] <= epoch]
     _write_text_atomic(out / LOG_FILE, "".join(json.dumps(r) + "\n" for r in records))
     log.info("resuming %s at epoch %d of %d", out, epoch, config.epochs)
