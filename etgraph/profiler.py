@@ -352,7 +352,8 @@ def _session_options(threads: int, profile_prefix: str | None = None):
     so.intra_op_num_threads = int(threads)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors come back as exceptions; native log lines would break
+    # the one-line CLI errors
     if profile_prefix is not None:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
@@ -970,22 +971,33 @@ def _profile(
             model_b, trainable, frozen, Path(work) / cname
         ).directory
     node_overhead = measure_node_overhead_us(threads)
-    # All measurements interleaved round by round: profiled graphs, real steps, optimizer.
-    graphs = {
-        c: _ProfiledGraph(d / "training_model.onnx", weights, batch, threads=threads, work_dir=work)
-        for c, d in art_dirs.items()
-    }
-    steps = {c: _TrainStep(d, batch, threads=threads, clock=clock) for c, d in art_dirs.items()}
-    params = {n: weights[n].astype(np.float32) for n in names}
-    optimizer = _OptimizerSubsets(
-        art_dirs["full"] / "optimizer_model.onnx",
-        params,
-        optimizer_subsets(params),
-        threads=threads,
-        work_dir=work,
-    )
-    runners = [r for c in art_dirs for r in (graphs[c], steps[c])] + [optimizer]
-    _round_robin(runners, repeats, warmup)
+    try:  # ORT raises here when the model does not run at this input shape
+        # All measurements interleaved round by round: profiled graphs, real steps, optimizer.
+        graphs = {
+            c: _ProfiledGraph(
+                d / "training_model.onnx", weights, batch, threads=threads, work_dir=work
+            )
+            for c, d in art_dirs.items()
+        }
+        steps = {c: _TrainStep(d, batch, threads=threads, clock=clock) for c, d in art_dirs.items()}
+        params = {n: weights[n].astype(np.float32) for n in names}
+        optimizer = _OptimizerSubsets(
+            art_dirs["full"] / "optimizer_model.onnx",
+            params,
+            optimizer_subsets(params),
+            threads=threads,
+            work_dir=work,
+        )
+        runners = [r for c in art_dirs for r in (graphs[c], steps[c])] + [optimizer]
+        _round_robin(runners, repeats, warmup)
+    except Exception as exc:
+        if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelError(
+            f"onnxruntime cannot run the model at input shape {_fmt_shape(shape)}, batch "
+            f"{batch_size} ({first[-300:]}): pass the shape it was exported for with --input-shape"
+        ) from exc
     node_times = {c: g.result(warmup) for c, g in graphs.items()}
     measured = {c: s.result(warmup) for c, s in steps.items()}
     opt_fit = fit_optimizer(optimizer.result(warmup))
