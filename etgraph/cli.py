@@ -162,9 +162,11 @@ def profile_command(
         f"{len(prof.tensors)} tensors, batch {prof.batch_size}, input "
         f"{'x'.join(map(str, prof.input_shape))}, {prof.threads} threads, ORT {prof.ort_version}"
     )
+    predicted = prof.forward_us + dw.sum() + dy.sum()
     click.echo(
-        f"full step {prof.full_step_us / 1e3:.1f} ms = forward+fixed {prof.forward_us / 1e3:.1f}"
-        f" ms + t_dw {dw.sum() / 1e3:.1f} ms + t_dy {dy.sum() / 1e3:.1f} ms"
+        f"full step {prof.full_step_us / 1e3:.1f} ms measured, {predicted / 1e3:.1f} ms predicted"
+        f" = forward+fixed {prof.forward_us / 1e3:.1f} + t_dw {dw.sum() / 1e3:.1f}"
+        f" + t_dy {dy.sum() / 1e3:.1f} ms"
     )
     for name, check in prof.checks.items():
         err = 100.0 * (check["predicted_us"] / check["measured_us"] - 1.0)
