@@ -1,0 +1,472 @@
+"""Every user error, through the real CLI: exit status 1, ONE line on stderr that starts with
+``etgraph: error:``, names the file/node/op concerned and says what to do; no traceback, no
+native crash (issue 8). ``--debug`` still shows tracebacks.
+
+All commands run as ``python -m etgraph ...`` subprocesses with ``ETGRAPH_CACHE`` pointing at a
+module-wide cache, so after the first compile every profile is a cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from PIL import Image
+
+QUICK_COMPILE = ["--repeats", "1"]
+QUICK_TRAIN = ["--epochs", "1", "--max-steps-per-epoch", "1", "--max-val-batches", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory) -> dict[str, str]:
+    """Environment of every CLI call: a private profile cache shared by this module."""
+    return {**os.environ, "ETGRAPH_CACHE": str(tmp_path_factory.mktemp("etgraph-cache"))}
+
+
+@pytest.fixture(scope="module")
+def cli(cache_env):
+    def run(*args: str | os.PathLike) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "etgraph", *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=cache_env,
+        )
+
+    return run
+
+
+def assert_user_error(done: subprocess.CompletedProcess, *fragments: str, code: int = 1) -> str:
+    """Exit ``code`` (1; click's 2 for usage errors), one stderr line ``etgraph: error: ...``
+    containing every fragment; returns the line."""
+    assert done.returncode == code, (done.returncode, done.stderr[-3000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("etgraph: error: "), lines[0]
+    assert "Traceback" not in done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+# ---- small models built with onnx.helper ---------------------------------------------------
+
+
+def _init(name: str, shape, seed: int = 0) -> onnx.TensorProto:
+    rng = np.random.default_rng(seed)
+    return numpy_helper.from_array(0.1 * rng.standard_normal(shape).astype(np.float32), name)
+
+
+def conv_classifier(
+    middle: list[onnx.NodeProto] | None = None,
+    middle_out: str = "c",
+    *,
+    in_dims=("N", 3, 8, 8),
+    classes: int = 4,
+    trainable: bool = True,
+) -> onnx.ModelProto:
+    """x[N,3,8,8] -> Conv(w, b) -> <middle: 'c' -> middle_out> -> GAP -> Flatten -> Gemm -> y.
+
+    ``trainable=False`` replaces the learned layers by parameter-free ones (no initializer)."""
+    if trainable:
+        nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1])]
+    else:
+        nodes = [helper.make_node("Relu", ["x"], ["c"], name="relu")]
+    nodes += middle or []
+    nodes += [
+        helper.make_node("GlobalAveragePool", [middle_out], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["y" if not trainable else "f"], name="flat"),
+    ]
+    inits = []
+    if trainable:
+        nodes.append(helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1))
+        inits = [
+            _init("w", (6, 3, 3, 3)),
+            _init("b", (6,), 1),
+            _init("fw", (classes, 6), 2),
+            _init("fb", (classes,), 3),
+        ]
+    out_classes = classes if trainable else 3
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(in_dims))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", out_classes])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, tiny_cnn_onnx) -> dict[str, Path]:
+    """Bad model files by case name."""
+    root = tmp_path_factory.mktemp("bad-models")
+    good = tiny_cnn_onnx.read_bytes()
+    files = {
+        "missing": root / "does_not_exist.onnx",
+        "text": root / "notes.onnx",
+        "empty": root / "empty.onnx",
+        "truncated": root / "truncated.onnx",
+        "corrupt": root / "corrupt.onnx",
+    }
+    files["text"].write_text("this is not an ONNX model\n")
+    files["empty"].write_bytes(b"")
+    files["truncated"].write_bytes(good[: len(good) // 3])
+    rng = np.random.default_rng(0)
+    corrupt = bytearray(good)
+    for pos in rng.integers(0, 400, size=40):  # the header region: graph structure, not weights
+        corrupt[int(pos)] = int(rng.integers(0, 256))
+    files["corrupt"].write_bytes(bytes(corrupt))
+
+    models = {
+        "no_trainable": conv_classifier(trainable=False),
+        "no_gradient_op": conv_classifier(
+            [helper.make_node("GlobalMaxPool", ["c"], ["m"], name="pool_max")], "m"
+        ),
+        "cumsum": conv_classifier(
+            [
+                helper.make_node(
+                    "Constant",
+                    [],
+                    ["axis"],
+                    name="axis_const",
+                    value=helper.make_tensor("axis", TensorProto.INT64, [], [1]),
+                ),
+                helper.make_node("CumSum", ["c", "axis"], ["m"], name="running_total"),
+            ],
+            "m",
+        ),
+        "dynamic": conv_classifier(in_dims=("N", 3, "H", "W")),
+        "dynamic_channels": conv_classifier(in_dims=("N", "C", "H", "W")),
+    }
+    for name, model in models.items():
+        files[name] = root / f"{name}.onnx"
+        onnx.save(model, str(files[name]))
+    return files
+
+
+# ---- compile: bad models -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case, fragments",
+    [
+        ("missing", ["does_not_exist.onnx", "no such model file"]),
+        ("text", ["notes.onnx", "not a readable ONNX model"]),
+        ("empty", ["empty.onnx", "empty or truncated"]),
+        ("truncated", ["truncated.onnx", "ONNX"]),
+        ("corrupt", ["corrupt.onnx", "ONNX"]),
+        ("no_trainable", ["no_trainable.onnx", "trainable"]),
+        ("no_gradient_op", ["'pool_max'", "GlobalMaxPool", "no gradient", "MaxPool"]),
+        ("cumsum", ["'running_total'", "CumSum", "no gradient", "MatMul"]),
+        ("dynamic", ["symbolic", "--input-shape"]),
+    ],
+)
+def test_compile_bad_model(cli, bad_files, tmp_path, case, fragments):
+    done = cli("compile", bad_files[case], "-o", tmp_path / "out", *QUICK_COMPILE)
+    assert_user_error(done, *fragments)
+    assert not (tmp_path / "out" / "artifacts").exists()
+
+
+def test_dynamic_model_compiles_with_input_shape(cli, bad_files, tmp_path):
+    """The fix the dynamic-shape error suggests works."""
+    out = tmp_path / "out"
+    done = cli(
+        "compile", bad_files["dynamic"], "-o", out, "--input-shape", "3x8x8", "--rho", "1",
+        *QUICK_COMPILE,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "plan.json").read_text())["input_shape"] == [3, 8, 8]
+
+
+def test_input_shape_the_model_cannot_run(cli, bad_files, tmp_path):
+    """Symbolic channels, so only running the model shows that 1 channel does not fit."""
+    done = cli("compile", bad_files["dynamic_channels"], "-o", tmp_path / "out",
+               "--input-shape", "1x8x8", *QUICK_COMPILE)  # fmt: skip
+    assert_user_error(done, "input shape 1x8x8", "'conv'", "--input-shape")
+
+
+# ---- compile: bad settings -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(cli, cache_env, tiny_cnn_onnx, tmp_path_factory) -> Path:
+    """tiny_cnn compiled at rho=1 through the CLI (its profile lands in the module cache)."""
+    out = tmp_path_factory.mktemp("compiled") / "tiny_cnn"
+    for _ in range(3):  # a 1-repeat profile on a loaded machine can make even rho=1 infeasible
+        done = cli("compile", tiny_cnn_onnx, "-o", out, "--rho", "1", *QUICK_COMPILE)
+        if done.returncode == 0 or "re-profile" not in done.stderr:
+            break
+        shutil.rmtree(Path(cache_env["ETGRAPH_CACHE"]) / "profiles")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--input-shape", "3x32"], ["'3x32'", "CxHxW"]),
+        (["--input-shape", "three"], ["'three'", "CxHxW"]),
+        (["--input-shape", "0x32x32"], ["zero", "CxHxW"]),
+        (["--input-shape", "3x32x32x1"], ["CxHxW"]),
+        (["--input-shape", "1x32x32"], ["1 channels", "expects 3"]),
+        (["--rho", "0"], ["rho", "(0, 1]"]),
+        (["--rho", "-0.5"], ["rho", "(0, 1]"]),
+        (["--rho", "1.5"], ["rho", "(0, 1]"]),
+        (["--rho", "nan"], ["rho", "(0, 1]"]),
+        (["--batch-size", "0"], ["batch size", "positive"]),
+        (["--batch-size", "-3"], ["batch size", "positive"]),
+        (["--repeats", "0"], ["repeats"]),
+    ],
+)
+def test_compile_bad_settings(cli, tiny_cnn_onnx, tmp_path, args, fragments):
+    assert_user_error(cli("compile", tiny_cnn_onnx, "-o", tmp_path / "o", *args), *fragments)
+
+
+def test_rho_below_forward_floor_gives_a_feasible_rho(cli, compiled, tiny_cnn_onnx, tmp_path):
+    line = assert_user_error(
+        cli("compile", tiny_cnn_onnx, "-o", tmp_path / "low", "--rho", "0.0001", *QUICK_COMPILE),
+        "rho",
+        "at least",
+    )
+    min_rho = float(line.rsplit("at least", 1)[1].split()[0].rstrip(".;:"))
+    assert 0.0001 < min_rho <= 1.0
+    # The rho the message names is feasible (same cached profile).
+    done = cli("compile", tiny_cnn_onnx, "-o", tmp_path / "ok", "--rho", str(min_rho),
+               *QUICK_COMPILE)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_output_directory_not_writable(cli, tiny_cnn_onnx, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = cli("compile", tiny_cnn_onnx, "-o", blocker / "out", *QUICK_COMPILE)
+    assert_user_error(done, str(blocker / "out"), "not writable", "-o")
+    done = cli("compile", tiny_cnn_onnx, "-o", blocker, *QUICK_COMPILE)  # a usage error
+    assert_user_error(done, str(blocker), "-o", "is a file", code=2)
+
+
+# ---- datasets, for compile --data and train --data -----------------------------------------
+
+
+def _image_folder(root: Path, classes: int, per_class: int = 3) -> Path:
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"class_{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(12, 12, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class_{c}" / f"img_{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def bad_datasets(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
+    """Bad dataset directories by case: (path, fragments the error must contain)."""
+    root = tmp_path_factory.mktemp("bad-data")
+    empty = root / "empty"
+    empty.mkdir()
+    unreadable = _image_folder(root / "unreadable", 3)
+    (unreadable / "class_1" / "broken.png").write_bytes(b"\x89PNG not really")
+    too_many = _image_folder(root / "too_many", 12)  # tiny_cnn has 10 outputs, default 5
+    return {
+        "missing": (root / "nowhere", ["nowhere", "does not exist"]),
+        "empty": (empty, [str(empty)]),
+        "unreadable": (unreadable, ["broken.png"]),
+        "too_many": (too_many, ["12 classes"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "unreadable", "too_many"])
+def test_compile_bad_dataset(cli, compiled, tiny_cnn_onnx, bad_datasets, tmp_path, case):
+    path, fragments = bad_datasets[case]
+    done = cli("compile", tiny_cnn_onnx, "-o", tmp_path / "o", "--rho", "1", "--data", path,
+               *QUICK_COMPILE)  # fmt: skip
+    assert_user_error(done, *fragments)
+
+
+@pytest.fixture(scope="module")
+def default_profile(cli, default_model_path, tmp_path_factory) -> Path:
+    """A quick profile of the embedded default model (for train without re-profiling)."""
+    path = tmp_path_factory.mktemp("default-profile") / "profile.json"
+    done = cli("profile", default_model_path, "--repeats", "1", "--warmup", "0", "-o", path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "unreadable", "too_many"])
+def test_train_bad_dataset(cli, default_profile, bad_datasets, tmp_path, case):
+    path, fragments = bad_datasets[case]
+    done = cli("train", "--profile", default_profile, "--rho", "1", "--data", path,
+               "--out", tmp_path / "run", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, *fragments)
+
+
+def test_train_output_directory_not_writable(cli, default_profile, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = cli("train", "--profile", default_profile, "--out", blocker / "run", *QUICK_TRAIN)
+    assert_user_error(done, str(blocker / "run"), "not writable")
+
+
+# ---- profiles and plans that belong to another model or setting ----------------------------
+
+
+def test_profile_of_another_model_is_refused(cli, compiled, default_profile, tmp_path):
+    # tiny_cnn's profile with the default model: caught by the model hash.
+    done = cli("train", "--profile", compiled / "profile.json", "--out", tmp_path / "run",
+               *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "profile", "model", "etgraph profile")
+
+
+def test_compiled_directory_with_a_swapped_model_is_refused(
+    cli, compiled, default_model_path, tmp_path
+):
+    swapped = tmp_path / "compiled"
+    shutil.copytree(compiled, swapped)
+    shutil.copy(default_model_path, swapped / "model.onnx")  # plan/profile stay tiny_cnn's
+    done = cli("train", swapped, "--out", tmp_path / "run", *QUICK_TRAIN)
+    assert_user_error(done, "profile", "model")
+
+
+def test_profile_of_another_batch_size_is_refused(cli, compiled, tmp_path):
+    done = cli("train", compiled, "--batch-size", "2", "--out", tmp_path / "run", *QUICK_TRAIN)
+    assert_user_error(done, "batch size 4", "not 2")
+
+
+def test_profile_of_another_input_shape_is_refused(cli, bad_files, tmp_path):
+    """A symbolic-shape model profiled at 3x8x8 and trained at 3x16x16 with that profile."""
+    prof = tmp_path / "profile.json"
+    done = cli("profile", bad_files["dynamic"], "--input-shape", "3x8x8", "--repeats", "1",
+               "--warmup", "0", "-o", prof)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = cli("train", bad_files["dynamic"], "--profile", prof, "--input-shape", "3x16x16",
+               "--out", tmp_path / "run", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "3x8x8", "3x16x16")
+
+
+def test_tampered_profile_cache_entry_is_not_reused(cli, compiled, tiny_cnn_onnx, cache_env):
+    """A cache file whose content is another model's profile is detected by hash."""
+    cache = Path(cache_env["ETGRAPH_CACHE"]) / "profiles"
+    entry = json.loads((compiled / "profile.json").read_text())
+    victims = []
+    for path in cache.glob("*.json"):
+        if json.loads(path.read_text())["model_hash"] == entry["model_hash"]:
+            victims.append((path, path.read_text()))
+            path.write_text(json.dumps({**entry, "model_hash": "0123456789abcdef"}))
+    assert victims
+    try:
+        out = compiled.parent / "tampered"
+        done = cli("compile", tiny_cnn_onnx, "-o", out, "--rho", "1", *QUICK_COMPILE)
+        if done.returncode == 0:  # re-measured: the tampered entry was not used
+            assert (
+                json.loads((out / "profile.json").read_text())["model_hash"] != "0123456789abcdef"
+            )
+        else:
+            assert_user_error(done, "profile")
+    finally:
+        for path, text in victims:
+            path.write_text(text)
+
+
+# ---- corrupt checkpoints on train --resume -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(cli, default_profile, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "run"
+    done = cli("train", "--profile", default_profile, "--rho", "1", "--out", out, *QUICK_TRAIN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _corrupt_truncated(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _corrupt_garbage(data: bytes) -> bytes:
+    rng = np.random.default_rng(1)
+    return data[:8] + rng.integers(0, 256, size=len(data) - 8, dtype=np.uint8).tobytes()
+
+
+def _corrupt_zeros(data: bytes) -> bytes:
+    return bytes(len(data))
+
+
+def _corrupt_not_a_checkpoint(data: bytes) -> bytes:
+    return b"{}"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_corrupt_truncated, _corrupt_garbage, _corrupt_zeros, _corrupt_not_a_checkpoint],
+    ids=lambda f: f.__name__.removeprefix("_corrupt_"),
+)
+def test_resume_with_corrupt_checkpoint(cli, finished_run, tmp_path, corrupt):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    ckpt = run / "checkpoint"
+    ckpt.write_bytes(corrupt(ckpt.read_bytes()))
+    assert_user_error(cli("train", "--resume", run), "checkpoint", str(ckpt))
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_resume_with_checkpoint_of_wrong_shapes(cli, finished_run, tmp_path, change):
+    """A well-formed checkpoint whose tensors do not fit the model (ORT would raise inside
+    Module creation or the first step)."""
+    from etgraph.runtime import read_checkpoint, write_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    state, requires_grad, properties = read_checkpoint(run / "checkpoint")
+    name = requires_grad[0]
+    w = state.weights[name]
+    if change == "shape":
+        state.weights[name] = np.zeros((w.shape[0] + 1, *w.shape[1:]), w.dtype)
+    else:
+        state.weights[name] = w.astype(np.float64)
+    state.moments.pop(name, None)
+    write_checkpoint(run / "checkpoint", state, requires_grad, properties=properties)
+    assert_user_error(cli("train", "--resume", run), "checkpoint", name)
+
+
+# ---- --debug -------------------------------------------------------------------------------
+
+
+def test_debug_shows_tracebacks(cli, bad_files, tmp_path):
+    done = cli("--debug", "compile", bad_files["text"], "-o", tmp_path / "o")
+    assert done.returncode != 0 and "Traceback" in done.stderr
+    assert "ModelError" in done.stderr
+
+
+def test_unexpected_error_is_one_line_without_debug_and_a_traceback_with(
+    monkeypatch, capsys, tmp_path
+):
+    """An internal bug (not an EtgraphError) still ends in one line naming --debug; with
+    --debug the traceback is shown."""
+    from etgraph import cli as cli_module
+    from etgraph import graph
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated internal failure")
+
+    monkeypatch.setattr(graph, "load_tensor_graph", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["inspect", str(tmp_path / "x.onnx")])
+    assert exit_info.value.code not in (0, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("etgraph: internal error:"), err
+    assert "simulated internal failure" in err[0] and "--debug" in err[0]
+    with pytest.raises(RuntimeError, match="simulated internal failure"):
+        cli_module.main(["--debug", "inspect", str(tmp_path / "x.onnx")])
