@@ -41,7 +41,9 @@ How the numbers are obtained (``shared/ORT_NOTES.md``, "Profiling"):
    What the node and optimizer times do not explain (per-step session and binding cost,
    profiling bias) is ``step_overhead_us``, the mean residual over the configurations, folded
    into ``forward_us``. Measured vs predicted steps of the configurations are kept in
-   ``checks``.
+   ``checks``. Steps are timed by wall clock; ``clock="cpu"`` (one thread only) times them by
+   the calling thread's CPU time instead, which other processes on a shared machine disturb
+   far less (:func:`step_clock`).
 
 ``forward_us`` is therefore the selection-independent part of a step: forward pass and loss
 (``forward_pass_us``) + optimizer fixed cost + ``step_overhead_us``.
