@@ -45,8 +45,16 @@ How the numbers are obtained (``shared/ORT_NOTES.md``, "Profiling"):
    the calling thread's CPU time instead, which other processes on a shared machine disturb
    far less (:func:`step_clock`).
 
+5. **Forward work only training needs.** Where backward nodes consume the forward part, ORT
+   keeps activations and cannot fuse (Conv+Relu, MatMul+Add); where no gradient passes, the
+   forward runs as in inference, faster. A fourth configuration, ``last_only`` (only the last
+   tensor trainable), is timed as a real step; the share of the forward it saves
+   (``forward_saved_fraction``, :func:`saved_forward_fraction`) is moved from the forward pass
+   to ``t_dy_us`` of each forward node's anchor tensor (the latest tensor consumed at or before
+   it), so it is paid exactly when the earliest selected tensor is at or before the anchor.
+
 ``forward_us`` is therefore the selection-independent part of a step: forward pass and loss
-(``forward_pass_us``) + optimizer fixed cost + ``step_overhead_us``.
+(``forward_pass_us``, less the moved share) + optimizer fixed cost + ``step_overhead_us``.
 """
 
 from __future__ import annotations
@@ -107,6 +115,9 @@ class Profile:
         node_overhead_us: executor cost per node outside its kernel, µs.
         step_overhead_us: measured step minus what nodes and optimizer explain, mean over the
             profiled configurations (:func:`calibrate`), µs.
+        forward_saved_fraction: share of a layer's forward time saved when no gradient passes
+            it (:func:`saved_forward_fraction`); that share is on ``t_dy_us`` of the layer's
+            anchor tensor, the rest in ``forward_pass_us``.
         repeats, warmup: runs per measurement.
         profiling_s: wall time the profiling took, s.
         checks: ``{configuration: {"measured_us", "predicted_us", "mask"}}`` for the extra
@@ -133,6 +144,7 @@ class Profile:
     optimizer_per_element_us: float = 0.0
     node_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    forward_saved_fraction: float = 0.0
     repeats: int = 0
     warmup: int = 0
     profiling_s: float = 0.0
@@ -856,6 +868,53 @@ def calibrate(explained_us: Sequence[float], measured_us: Sequence[float]) -> fl
     return float(np.mean(y - x))
 
 
+def saved_forward_fraction(
+    overhead_us: float, last_only_residual_us: float, anchored_forward_us: float
+) -> float:
+    """Share of the forward pass a step saves when no gradient passes a layer, in [0, 1].
+
+    ORT's training graph runs the forward part differently where backward nodes consume it
+    (activations kept alive, no Conv+Relu / MatMul+Add fusion); where no gradient passes, the
+    forward runs as in inference, faster. Measured with the ``last_only`` configuration (only
+    the last tensor trainable): its real step falls short of what the full-graph forward
+    explains by ``overhead_us - last_only_residual_us``; divided by the forward time of the
+    layers it skips (``anchored_forward_us``, anchors 0..N-2).
+
+    Args:
+        overhead_us: per-step overhead of the e=0 configurations (:func:`calibrate`).
+        last_only_residual_us: measured minus explained step of the last_only configuration.
+        anchored_forward_us: full-graph forward node time anchored before the last tensor.
+    """
+    if anchored_forward_us <= 0:
+        return 0.0
+    return float(np.clip((overhead_us - last_only_residual_us) / anchored_forward_us, 0.0, 1.0))
+
+
+def _forward_us_by_anchor(model, rows, names, node_overhead) -> np.ndarray:
+    """Forward node time (µs, kernel + per-node overhead) of the full training graph per
+    anchor tensor: a forward node's anchor is the latest tensor (forward order) consumed by it
+    or any forward node before it in graph order — the gradient passes the node iff the
+    earliest selected tensor is at or before its anchor. Nodes before every tensor have none
+    (never on a gradient path) and are left out. float64 [N]."""
+    index = {n: i for i, n in enumerate(names)}
+    anchor_of: dict[str, int] = {}
+    latest = -1
+    for node in model.graph.node:
+        for value in node.input:
+            if value in index:
+                latest = max(latest, index[value])
+        anchor_of[node.name] = latest
+    out = np.zeros(len(names))
+    for row in rows:
+        if row["charge"] != "forward":
+            continue
+        name = row["name"].removesuffix("_BatchNormInternal")
+        anchor = anchor_of.get(name, -1)
+        if anchor >= 0:
+            out[anchor] += row["us"] + node_overhead
+    return out
+
+
 def _configurations(tensors) -> dict[str, list[int]]:
     """Sets of trainable tensor indices to profile: full, no_kernels, first_only."""
     n = len(tensors)
@@ -972,6 +1031,11 @@ def _profile(
         art_dirs[cname] = artifacts.generate(
             model_b, trainable, frozen, Path(work) / cname
         ).directory
+    last_dir = None
+    if len(names) > 2:  # only the last tensor trainable: the forward runs almost as inference
+        last_dir = artifacts.generate(
+            model_b, names[-1:], names[:-1] + stats, Path(work) / "last_only"
+        ).directory
     node_overhead = measure_node_overhead_us(threads)
     try:  # ORT raises here when the model does not run at this input shape
         # All measurements interleaved round by round: profiled graphs, real steps, optimizer.
@@ -982,6 +1046,8 @@ def _profile(
             for c, d in art_dirs.items()
         }
         steps = {c: _TrainStep(d, batch, threads=threads, clock=clock) for c, d in art_dirs.items()}
+        if last_dir is not None:
+            steps["last_only"] = _TrainStep(last_dir, batch, threads=threads, clock=clock)
         params = {n: weights[n].astype(np.float32) for n in names}
         optimizer = _OptimizerSubsets(
             art_dirs["full"] / "optimizer_model.onnx",
@@ -991,6 +1057,8 @@ def _profile(
             work_dir=work,
         )
         runners = [r for c in art_dirs for r in (graphs[c], steps[c])] + [optimizer]
+        if last_dir is not None:
+            runners.append(steps["last_only"])
         _round_robin(runners, repeats, warmup)
     except Exception as exc:
         if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
@@ -1006,6 +1074,8 @@ def _profile(
     del graphs, steps, optimizer, runners
     for c in configs:
         log.info("config %s: %d nodes, step %.0f us", c, len(node_times[c]), measured[c])
+    if last_dir is not None:
+        log.info("config last_only: step %.0f us", measured["last_only"])
     numel = np.array([weights[n].size for n in names], dtype=np.float64)
 
     charges = _charges(model_b, art_dirs["full"] / "training_model.onnx")
@@ -1015,13 +1085,27 @@ def _profile(
     from .timing import backward_us
 
     full_step = measured["full"]
-    constant = forward_pass + opt_fit.fixed_us
     masks = {}
-    for cname, sel in configs.items():
-        masks[cname] = np.zeros(len(names), dtype=bool)
-        masks[cname][sel] = True
+    for cname, sel in [*configs.items(), ("last_only", [len(names) - 1])]:
+        if cname in measured:
+            masks[cname] = np.zeros(len(names), dtype=bool)
+            masks[cname][sel] = True
+    constant = forward_pass + opt_fit.fixed_us
     explained = {c: constant + backward_us(m, t_dw, t_dy) for c, m in masks.items()}
     step_overhead = calibrate([explained[c] for c in configs], [measured[c] for c in configs])
+    # Forward work that only a training graph does (activations kept, no fusion): saved when
+    # no gradient passes the layer, so it belongs on t_dy of the layer's anchor tensor.
+    forward_by_anchor = _forward_us_by_anchor(model_b, rows, names, node_overhead)
+    forward_saved_fraction = 0.0
+    if "last_only" in measured:
+        forward_saved_fraction = saved_forward_fraction(
+            step_overhead,
+            measured["last_only"] - explained["last_only"],
+            forward_by_anchor[:-1].sum(),
+        )
+    moved = forward_saved_fraction * forward_by_anchor
+    t_dy = t_dy + moved
+    forward_pass -= moved.sum()
     forward_us = forward_pass + opt_fit.fixed_us + step_overhead
     if forward_us < 0:
         log.warning("negative constant step time %.0f us; clamping to 0", forward_us)
@@ -1029,15 +1113,14 @@ def _profile(
 
     from .timing import step_us
 
-    checks = {}
-    for cname, sel in configs.items():
-        mask = np.zeros(len(names), dtype=bool)
-        mask[sel] = True
-        checks[cname] = {
+    checks = {
+        cname: {
             "measured_us": measured[cname],
             "predicted_us": step_us(mask, t_dw, t_dy, forward_us),
-            "trainable": len(sel),
+            "trainable": int(mask.sum()),
         }
+        for cname, mask in masks.items()
+    }
     return Profile(
         model_hash=model_hash,
         tensors=names,
@@ -1058,6 +1141,7 @@ def _profile(
         optimizer_per_element_us=opt_fit.per_element_us,
         node_overhead_us=float(node_overhead),
         step_overhead_us=float(step_overhead),
+        forward_saved_fraction=float(forward_saved_fraction),
         repeats=int(repeats),
         warmup=int(warmup),
         checks=checks,

@@ -20,6 +20,7 @@ from etgraph.profiler import (
     profile_key,
     profile_model,
     robust_time,
+    saved_forward_fraction,
     split_by_measurement,
 )
 
@@ -119,6 +120,15 @@ def test_fit_optimizer_recovers_linear_costs():
     assert fit.tensor_us(np.array([0, 1000])) == pytest.approx([3.0, 7.0])
 
 
+def test_saved_forward_fraction():
+    # e=0 configurations leave 500 us unexplained; the last-only step leaves 200 us: the 300 us
+    # it saved are 30% of the 1000 us of forward before the last tensor.
+    assert saved_forward_fraction(500.0, 200.0, 1000.0) == pytest.approx(0.3)
+    assert saved_forward_fraction(500.0, 900.0, 1000.0) == 0.0  # noise: never negative
+    assert saved_forward_fraction(500.0, -5000.0, 1000.0) == 1.0
+    assert saved_forward_fraction(500.0, 200.0, 0.0) == 0.0
+
+
 def test_robust_time_is_a_low_quantile():
     assert robust_time([5.0, 1.0, 100.0, 2.0, 3.0, 4.0]) < np.median([5, 1, 100, 2, 3, 4])
 
@@ -195,6 +205,8 @@ def test_optimizer_cost_is_measured_and_folded_into_t_dw(resnet18s_profile):
 
 
 def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
+    assert set(resnet18s_profile.checks) == {"full", "no_kernels", "first_only", "last_only"}
+    assert 0.0 <= resnet18s_profile.forward_saved_fraction <= 1.0
     for name, check in resnet18s_profile.checks.items():
         assert check["predicted_us"] == pytest.approx(check["measured_us"], rel=0.25), name
 
