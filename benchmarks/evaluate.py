@@ -1,0 +1,299 @@
+"""The paper's evaluation on this machine: speed, quality and overheads (issue 7).
+
+    python benchmarks/evaluate.py speed   [--models resnet50 vgg16 mobilenet_v2 vit_b16]
+                                          [--input-size 128] [--rhos 0.4 0.5 0.6 0.7]
+    python benchmarks/evaluate.py quality [--epochs 12] [--rho 0.5] [--period 3]
+                                          [--model M.onnx --data DIR]
+    python benchmarks/evaluate.py all     (both, with defaults)
+
+speed    For each model and rho: the DP selection (importance from one probe batch of random
+         data — speed does not depend on which tensors score high), then the requested,
+         predicted and MEASURED step-time ratio to full training. Every selection's steps are
+         measured round-robin with full-training steps in one run (same machine load), so the
+         measured ratio is a ratio of side-by-side measurements.
+quality  Elastic vs full vs last-layer vs BN+Bias (and the DP-free selectors) on the default
+         transfer task (digits 5-9 on the CNN pretrained on digits 0-4), or on an image-folder
+         dataset: same epochs, same seed, same runtime. Prints final accuracy, training wall
+         time (validation excluded, as in the paper), speedup over full, time to reach 95% of
+         full training's final accuracy, and re-selection overhead; plots accuracy vs wall time.
+
+Results go to benchmarks/results/ (JSON and PNG); the tables are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from etgraph import onnx_io, profiler, selection, timing  # noqa: E402
+from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+EXPORTS = ROOT / "models" / "exported"
+PAPER_MODELS = ("resnet50", "vgg16", "mobilenet_v2", "vit_b16")
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells
+    ]
+    return "\n".join([line, sep, *body])
+
+
+def _export(name: str, input_size: int) -> Path:
+    from models.export import export_onnx
+
+    path = EXPORTS / f"{name}_{input_size}.onnx"
+    if not path.exists():
+        export_onnx(name, path, input_shape=(3, input_size, input_size), num_classes=10)
+    return path
+
+
+def _probe_importance(model_path: Path, shape, batch_size: int) -> np.ndarray:
+    """First-order importance (paper Eq. 2) on one probe batch of random data."""
+    import onnx
+
+    from etgraph import graph
+    from etgraph.artifacts import ArtifactCache
+    from etgraph.importance import ImportanceEvaluator
+
+    model = onnx_io.load_model(model_path)
+    names = [t.name for t in graph.trainable_tensors(model)]
+    frozen = graph.running_statistics(model)
+    weights = {
+        i.name: onnx.numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if i.name in set(names) | set(frozen)
+    }
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch_size, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, size=batch_size).astype(np.int64)
+    with tempfile.TemporaryDirectory() as tmp:
+        evaluator = ImportanceEvaluator(model, names, frozen, ArtifactCache(tmp))
+        return evaluator.evaluate(weights, [(x, y)], 1e-4).importance
+
+
+def speed(models, input_size: int, rhos, batch_size: int, repeats: int) -> list[dict]:
+    rows = []
+    for name in models:
+        path = Path(name) if name.endswith(".onnx") else _export(name, input_size)
+        shape = (3, input_size, input_size)
+        t0 = time.perf_counter()
+        prof = profiler.profile_model(
+            path,
+            batch_size=batch_size,
+            input_shape=shape,
+            repeats=repeats,
+            cache_dir=profiler.default_cache_dir(),
+        )
+        profile_s = time.perf_counter() - t0
+        importance = _probe_importance(path, shape, batch_size)
+        masks, predicted, solve_ms = [], [], []
+        for rho in rhos:
+            budget = timing.budget_us(rho, prof.forward_us, prof.full_step_us)
+            t0 = time.perf_counter()
+            chosen = selection.select_tensors(
+                prof.t_dw_us,
+                prof.t_dy_us,
+                importance,
+                budget,
+                forward_us=prof.forward_us,
+                full_step_us=prof.full_step_us,
+            )
+            solve_ms.append((time.perf_counter() - t0) * 1e3)
+            masks.append(chosen.mask)
+            predicted.append(
+                timing.step_us(chosen.mask, prof.t_dw_us, prof.t_dy_us, prof.forward_us)
+            )
+        mask_us, full_us = profiler.measure_selection_steps_us(
+            path,
+            np.array(masks),
+            batch_size=batch_size,
+            input_shape=shape,
+            repeats=repeats,
+            group=len(masks),
+        )
+        for rho, mask, pred, meas, full, ms in zip(
+            rhos, masks, predicted, mask_us, full_us, solve_ms, strict=True
+        ):
+            rows.append(
+                dict(
+                    model=path.stem,
+                    rho=rho,
+                    selected=int(mask.sum()),
+                    n=len(mask),
+                    predicted_ratio=pred / prof.full_step_us,
+                    measured_ratio=meas / full,
+                    measured_step_ms=meas / 1e3,
+                    measured_full_ms=full / 1e3,
+                    dp_ms=ms,
+                    profile_s=profile_s,
+                )
+            )
+        print(f"{path.stem}: done", file=sys.stderr)
+    print(
+        _table(
+            ["model", "rho", "selected", "predicted", "measured", "error", "step ms", "full ms"],
+            [
+                [
+                    r["model"],
+                    f"{r['rho']:.2f}",
+                    f"{r['selected']}/{r['n']}",
+                    f"{r['predicted_ratio']:.3f}",
+                    f"{r['measured_ratio']:.3f}",
+                    f"{(r['measured_ratio'] / r['predicted_ratio'] - 1) * 100:+.1f}%",
+                    f"{r['measured_step_ms']:.1f}",
+                    f"{r['measured_full_ms']:.1f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    return rows
+
+
+QUALITY_STRATEGIES = ("full", "elastic", "last-layer", "bn-bias", "topk", "prefix")
+
+
+def quality(
+    model: Path, data, epochs: int, rho: float, period: int, batch_size: int, seed: int, strategies
+) -> list[dict]:
+    from etgraph.runtime import TrainConfig, train
+
+    model = Path(model)
+    shape = onnx_io.input_shape(onnx_io.load_model(model))
+    prof = profiler.profile_model(
+        model, batch_size=batch_size, input_shape=shape, cache_dir=profiler.default_cache_dir()
+    )
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in strategies:
+            config = TrainConfig(
+                epochs=epochs,
+                batch_size=batch_size,
+                rho=rho,
+                period=period,
+                strategy=strategy,
+                seed=seed,
+                data=data,
+            )
+            out = Path(tmp) / strategy
+            result = train(
+                model, prof, config, out, artifacts_root=Path(tmp) / "cache", progress=False
+            )
+            log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+            runs.append(dict(strategy=strategy, result=result.__dict__, log=log))
+            print(
+                f"{strategy}: val acc {result.final_val_acc:.4f} in {result.wall_time_s:.1f} s",
+                file=sys.stderr,
+            )
+    full = next((r for r in runs if r["strategy"] == "full"), runs[0])
+    target = 0.95 * full["result"]["final_val_acc"]
+    rows = []
+    for r in runs:
+        reached = next(
+            (e["cumulative_wall_time_s"] for e in r["log"] if e["val_acc"] >= target), None
+        )
+        res = r["result"]
+        rows.append(
+            [
+                r["strategy"],
+                f"{res['final_val_acc']:.4f}",
+                f"{res['wall_time_s']:.1f}",
+                f"{full['result']['wall_time_s'] / res['wall_time_s']:.2f}x",
+                "never" if reached is None else f"{reached:.1f}",
+                f"{res['rho_achieved']:.2f}",
+                f"{res['reselection_overhead_pct']:.2f}%",
+                f"{res['peak_rss_mb_last_period']:.0f}",
+            ]
+        )
+    print(
+        _table(
+            [
+                "strategy",
+                "val acc",
+                "train s",
+                "speedup vs full",
+                f"s to {target:.3f} acc",
+                "achieved rho",
+                "re-selection",
+                "peak RSS MB",
+            ],
+            rows,
+        )
+    )
+    _plot(runs, RESULTS / "quality.png", f"{model.stem}, rho={rho}, period={period}")
+    return runs
+
+
+def _plot(runs, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, loss) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in runs:
+        t = [0.0] + [e["cumulative_wall_time_s"] for e in r["log"]]
+        acc.plot(t[1:], [e["val_acc"] for e in r["log"]], marker="o", ms=3, label=r["strategy"])
+        loss.plot(t[1:], [e["train_loss"] for e in r["log"]], marker="o", ms=3, label=r["strategy"])
+    acc.set(xlabel="training wall time (s)", ylabel="validation accuracy", title=title)
+    loss.set(xlabel="training wall time (s)", ylabel="training loss")
+    acc.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("what", choices=["speed", "quality", "all"])
+    ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS))
+    ap.add_argument("--input-size", type=int, default=128)
+    ap.add_argument("--rhos", nargs="+", type=float, default=[0.4, 0.5, 0.6, 0.7])
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_PATH))
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--rho", type=float, default=0.5)
+    ap.add_argument("--period", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strategies", nargs="+", default=list(QUALITY_STRATEGIES))
+    args = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.what in ("speed", "all"):
+        rows = speed(args.models, args.input_size, args.rhos, args.batch_size, args.repeats)
+        (RESULTS / "speed.json").write_text(json.dumps(rows, indent=2))
+    if args.what in ("quality", "all"):
+        runs = quality(
+            Path(args.model),
+            args.data,
+            args.epochs,
+            args.rho,
+            args.period,
+            args.batch_size,
+            args.seed,
+            args.strategies,
+        )
+        (RESULTS / "quality.json").write_text(json.dumps(runs, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
