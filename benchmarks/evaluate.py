@@ -103,7 +103,7 @@ def speed(models, input_size: int, rhos, batch_size: int, repeats: int) -> list[
         importance = _probe_importance(path, shape, batch_size)
         masks, predicted, solve_ms = [], [], []
         for rho in rhos:
-            budget = timing.budget_us(rho, prof.forward_us, prof.full_step_us)
+            budget = timing.budget_us(rho, prof.forward_us, prof.t_full_us)
             t0 = time.perf_counter()
             chosen = selection.select_tensors(
                 prof.t_dw_us,
@@ -111,7 +111,7 @@ def speed(models, input_size: int, rhos, batch_size: int, repeats: int) -> list[
                 importance,
                 budget,
                 forward_us=prof.forward_us,
-                full_step_us=prof.full_step_us,
+                full_step_us=prof.t_full_us,
             )
             solve_ms.append((time.perf_counter() - t0) * 1e3)
             masks.append(chosen.mask)
@@ -135,7 +135,7 @@ def speed(models, input_size: int, rhos, batch_size: int, repeats: int) -> list[
                     rho=rho,
                     selected=int(mask.sum()),
                     n=len(mask),
-                    predicted_ratio=pred / prof.full_step_us,
+                    predicted_ratio=pred / prof.t_full_us,
                     measured_ratio=meas / full,
                     measured_step_ms=meas / 1e3,
                     measured_full_ms=full / 1e3,

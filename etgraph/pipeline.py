@@ -87,7 +87,7 @@ class CompileResult:
     n_selected: int
     rho: float
     predicted_step_us: float
-    full_step_us: float
+    full_step_us: float  # T_full of the time model (Profile.t_full_us)
 
     @property
     def predicted_speedup(self) -> float:
@@ -120,7 +120,8 @@ def compile_model(
     Runs import + legalisation, the tensor-graph passes (paper §5), profiling on this device
     (cached), importance (first-order, paper Eq. 2, on a probe batch of ``data`` when given;
     otherwise :func:`data_free_importance`), the DP of paper Eq. (3) under
-    ``rho * full_step_us``, and writes ORT training artifacts for the selection.
+    ``rho * T_full`` (``Profile.t_full_us``, the time model's full step), and writes ORT
+    training artifacts for the selection.
 
     Args:
         model_path: ONNX classifier (one input, one output ``logits``); None = embedded default.
@@ -178,7 +179,7 @@ def compile_model(
         importance = probe_importance(model, data, batch_size=batch_size, input_shape=shape)
         importance_source = f"first-order importance on a probe batch of {data}"
 
-    budget = timing.budget_us(rho, prof.forward_us, prof.full_step_us)
+    budget = timing.budget_us(rho, prof.forward_us, prof.t_full_us)
     chosen = selection.select_tensors(
         prof.t_dw_us,
         prof.t_dy_us,
@@ -186,7 +187,7 @@ def compile_model(
         budget,
         resolution=resolution,
         forward_us=prof.forward_us,
-        full_step_us=prof.full_step_us,
+        full_step_us=prof.t_full_us,
     )
     predicted = timing.step_us(chosen.mask, prof.t_dw_us, prof.t_dy_us, prof.forward_us)
 
@@ -211,7 +212,8 @@ def compile_model(
         "batch_size": batch_size,
         "input_shape": list(shape),
         "forward_us": prof.forward_us,
-        "full_step_us": prof.full_step_us,
+        "full_step_us": prof.t_full_us,
+        "measured_full_step_us": prof.full_step_us,
         "budget_us": budget,
         "predicted_step_us": predicted,
         "importance_source": importance_source,
@@ -240,5 +242,5 @@ def compile_model(
         n_selected=len(trainable),
         rho=rho,
         predicted_step_us=predicted,
-        full_step_us=prof.full_step_us,
+        full_step_us=prof.t_full_us,
     )

@@ -263,6 +263,17 @@ class Profile:
                 f"profile timed steps with the {self.clock} clock, not {clock}: re-profile"
             )
 
+    @property
+    def t_full_us(self) -> float:
+        """``T_full`` of paper Eq. (1): the time model's step with every tensor selected, in µs.
+
+        The budget ``rho * T_full`` compares two estimates of the same time model (the paper's
+        ``T_selective(M) <= rho * T_full``), so ``rho = 1`` always admits every tensor, however
+        noisy the measured ``full_step_us`` was. ``full_step_us`` stays the measurement that
+        validates the model.
+        """
+        return float(self.forward_us + self.t_dw_us.sum() + self.t_dy_us.sum())
+
     def predicted_step_us(self, mask) -> float:
         """:func:`etgraph.timing.step_us` of ``mask`` (bool [N]) with this profile's timings."""
         from .timing import step_us

@@ -4,8 +4,8 @@ What ``etgraph train`` runs on the device. Every ``period`` epochs (paper: 3):
 
 1. **importance** — first-order importance of every tensor on probe batch(es), from one AdamW
    update of all tensors in a separate session (:mod:`etgraph.importance`);
-2. **selection** — the DP of paper Eq. (3) under ``rho * full_step_us`` with the profiled
-   ``t_dw_us``/``t_dy_us`` (or a baseline strategy, see :data:`STRATEGIES`);
+2. **selection** — the DP of paper Eq. (3) under ``rho * t_full_us`` (the time model's full
+   step) with the profiled ``t_dw_us``/``t_dy_us`` (or a baseline strategy, see :data:`STRATEGIES`);
 3. **artifacts** for the selection (cached by selection, so a repeated selection costs nothing);
 4. **carry state** — every weight (trainable tensors, frozen tensors, BatchNorm running
    statistics) goes into the new session, and the AdamW moments of tensors that stay selected
@@ -448,7 +448,7 @@ def strategy_mask(
 
     Returns:
         bool [N]. ``full``, ``last-layer`` and ``bn-bias`` ignore ``rho``; ``elastic`` (paper
-        Eq. 3 DP), ``topk`` and ``prefix`` select under ``rho * full_step_us``.
+        Eq. 3 DP), ``topk`` and ``prefix`` select under ``rho * t_full_us``.
 
     Raises:
         InfeasibleBudgetError: ``rho`` is below what the forward pass (plus the cheapest
@@ -468,8 +468,8 @@ def strategy_mask(
             [t.kind in ("gamma", "beta", "bias") or t.layer == last_layer for t in tensors],
             dtype=bool,
         )
-    budget = timing.budget_us(rho, profile.forward_us, profile.full_step_us)
-    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.full_step_us)
+    budget = timing.budget_us(rho, profile.forward_us, profile.t_full_us)
+    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.t_full_us)
     if strategy == "elastic":
         chosen = selection.select_tensors(
             profile.t_dw_us, profile.t_dy_us, importance, budget, resolution=resolution, **kwargs
@@ -626,7 +626,7 @@ class TrainResult:
     predicted_full_time_s: float  # full_step_us * steps (what full training would take)
     speedup: float  # predicted_full_time_s / wall_time_s
     rho_requested: float
-    rho_predicted: float  # mean predicted step / full_step_us
+    rho_predicted: float  # mean predicted step / t_full_us (both from the time model)
     rho_achieved: float  # mean measured step / full_step_us
     reselection_overhead_pct: float  # of the training wall time
     peak_rss_mb_first_period: float
@@ -1034,7 +1034,7 @@ def _result(run: _Run, records: list[dict], inference_acc: float, trained: Path)
         predicted_full_time_s=float(predicted_full),
         speedup=float(predicted_full / wall) if wall > 0 else float("nan"),
         rho_requested=cfg.rho,
-        rho_predicted=float(np.average(predicted, weights=weights) / prof.full_step_us),
+        rho_predicted=float(np.average(predicted, weights=weights) / prof.t_full_us),
         rho_achieved=float(np.average(measured[ok], weights=weights[ok]) / prof.full_step_us)
         if ok.any()
         else float("nan"),
