@@ -115,9 +115,7 @@ def speed(models, input_size: int, rhos, batch_size: int, repeats: int) -> list[
             )
             solve_ms.append((time.perf_counter() - t0) * 1e3)
             masks.append(chosen.mask)
-            predicted.append(
-                timing.step_us(chosen.mask, prof.t_dw_us, prof.t_dy_us, prof.forward_us)
-            )
+            predicted.append(prof.predicted_step_us(chosen.mask))
         mask_us, full_us = profiler.measure_selection_steps_us(
             path,
             np.array(masks),

@@ -404,6 +404,9 @@ class Charge:
         dy_tensor: for split, the tensor receiving the dX part (None when ORT computes no dX).
         dw_tensors: for split, the kernel (and bias) receiving the dW (and dB) parts.
         rule: the pass that decided (linearize/conv_dense/batch_norm/non_trainable).
+        gap: for the ``t_dy`` part (kind dy, or the dX part of a split): None when the op's
+            D(o) is a prefix {0..max}, else ``(p, extra)`` — the op runs iff the earliest
+            selected tensor is < p or a tensor in ``extra`` is selected (branch charge).
     """
 
     node: str
@@ -414,6 +417,7 @@ class Charge:
     dy_tensor: str | None = None
     dw_tensors: tuple[str, ...] = ()
     rule: str = ""
+    gap: tuple[int, tuple[int, ...]] | None = None
 
 
 def charges(graph: nx.DiGraph) -> dict[str, Charge]:
@@ -436,8 +440,22 @@ def charges(graph: nx.DiGraph) -> dict[str, Charge]:
             dy_tensor=a.get("charge_dy_tensor"),
             dw_tensors=tuple(a.get("charge_dw_tensors") or ()),
             rule=a.get("rule", ""),
+            gap=_dy_gap(a),
         )
     return out
+
+
+def _dy_gap(attrs: dict) -> tuple[int, tuple[int, ...]] | None:
+    """The D(o) gap (``passes.linearize.gap``) of the part of an op charged to ``t_dy``."""
+    if attrs["charge"] == "dy":
+        g = attrs.get("d_gap")
+    elif attrs["charge"] == "split":
+        dx = [i for i, part in op_rule(attrs["op_type"]).fused_grad.items() if part == "dx"]
+        out_gaps = attrs.get("d_out_gap") or []
+        g = out_gaps[dx[0]] if dx and dx[0] < len(out_gaps) else None
+    else:
+        g = None
+    return None if g is None else (int(g[0]), tuple(int(k) for k in g[1]))
 
 
 TABLE_COLUMNS = (

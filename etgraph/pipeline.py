@@ -189,7 +189,7 @@ def compile_model(
         forward_us=prof.forward_us,
         full_step_us=prof.t_full_us,
     )
-    predicted = timing.step_us(chosen.mask, prof.t_dw_us, prof.t_dy_us, prof.forward_us)
+    predicted = prof.predicted_step_us(chosen.mask)
 
     trainable = [t.name for t, s in zip(tensors, chosen.mask, strict=True) if s]
     frozen = [t.name for t, s in zip(tensors, chosen.mask, strict=True) if not s]

@@ -6,6 +6,8 @@ Wall-clock time is measured, never FLOPs. The result is a :class:`Profile` whose
 
     step_us(M) = forward_us + sum_k M[k] * t_dw_us[k] + sum_{k >= e(M)} t_dy_us[k]
 
+(branch work counted exactly with :attr:`Profile.branches`, see :mod:`etgraph.timing`).
+
 How the numbers are obtained (``shared/ORT_NOTES.md``, "Profiling"):
 
 1. **Per-node backward times.** Artifacts are generated for a few *configurations* (sets of
@@ -82,7 +84,7 @@ from .errors import ConfigError, ModelError, ProfileMismatchError
 
 log = logging.getLogger(__name__)
 
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 2  # 2: branch charges
 
 #: Output position of each part of ConvGrad / ConvTransposeGrad (dX, dW, dB).
 _CONV_GRAD_PARTS = ("dx", "dw", "db")
@@ -123,6 +125,9 @@ class Profile:
         checks: ``{configuration: {"measured_us", "predicted_us", "mask"}}`` for the extra
             configurations profiled (a built-in validation of the time model).
         nodes: per backward-graph node ``{name, op, us, charge, tensor}`` of the full graph.
+        branches: ``t_dy`` work of ops on parallel branches (D(o) not a prefix), grouped:
+            ``[{"tensor", "prefix", "extra": [indices], "us"}]`` (:class:`~etgraph.timing.
+            BranchCharges`); already inside ``t_dy_us``, used to count it exactly.
     """
 
     model_hash: str
@@ -150,6 +155,7 @@ class Profile:
     profiling_s: float = 0.0
     checks: dict = field(default_factory=dict)
     nodes: list = field(default_factory=list)
+    branches: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.t_dw_us = np.asarray(self.t_dw_us, dtype=np.float64)
@@ -274,11 +280,19 @@ class Profile:
         """
         return float(self.forward_us + self.t_dw_us.sum() + self.t_dy_us.sum())
 
+    @property
+    def branch_charges(self):
+        """:class:`etgraph.timing.BranchCharges` of :attr:`branches`."""
+        from .timing import BranchCharges
+
+        return BranchCharges.from_rows(self.branches, len(self.tensors))
+
     def predicted_step_us(self, mask) -> float:
-        """:func:`etgraph.timing.step_us` of ``mask`` (bool [N]) with this profile's timings."""
+        """:func:`etgraph.timing.step_us` of ``mask`` (bool [N]) with this profile's timings,
+        branch work counted exactly."""
         from .timing import step_us
 
-        return step_us(mask, self.t_dw_us, self.t_dy_us, self.forward_us)
+        return step_us(mask, self.t_dw_us, self.t_dy_us, self.forward_us, self.branch_charges)
 
 
 def _fmt_shape(shape: Sequence[int]) -> str:
@@ -296,7 +310,10 @@ def profile_key(
     model_hash: str, input_shape: Sequence[int], batch_size: int, threads: int, clock: str = "wall"
 ) -> str:
     """Cache key of a profile: sha256 over model hash, input shape, batch size, threads, clock."""
-    text = f"{model_hash}|{_fmt_shape(input_shape)}|{int(batch_size)}|{int(threads)}|{clock}"
+    text = (
+        f"{model_hash}|{_fmt_shape(input_shape)}|{int(batch_size)}|{int(threads)}|{clock}"
+        f"|v{PROFILE_FORMAT_VERSION}"
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -1090,10 +1107,14 @@ def _profile(
     numel = np.array([weights[n].size for n in names], dtype=np.float64)
 
     charges = _charges(model_b, art_dirs["full"] / "training_model.onnx")
-    t_dw, t_dy, forward_pass, rows = _charge(node_times, configs, charges, names, node_overhead)
+    t_dw, t_dy, forward_pass, rows, branch_rows = _charge(
+        node_times, configs, charges, names, node_overhead
+    )
     t_dw = t_dw + opt_fit.tensor_us(numel)
 
-    from .timing import backward_us
+    from .timing import BranchCharges, backward_us
+
+    branches = BranchCharges.from_rows(branch_rows, len(names))
 
     full_step = measured["full"]
     masks = {}
@@ -1102,7 +1123,7 @@ def _profile(
             masks[cname] = np.zeros(len(names), dtype=bool)
             masks[cname][sel] = True
     constant = forward_pass + opt_fit.fixed_us
-    explained = {c: constant + backward_us(m, t_dw, t_dy) for c, m in masks.items()}
+    explained = {c: constant + backward_us(m, t_dw, t_dy, branches) for c, m in masks.items()}
     step_overhead = calibrate([explained[c] for c in configs], [measured[c] for c in configs])
     # Forward work that only a training graph does (activations kept, no fusion): saved when
     # no gradient passes the layer, so it belongs on t_dy of the layer's anchor tensor.
@@ -1127,7 +1148,7 @@ def _profile(
     checks = {
         cname: {
             "measured_us": measured[cname],
-            "predicted_us": step_us(mask, t_dw, t_dy, forward_us),
+            "predicted_us": step_us(mask, t_dw, t_dy, forward_us, branches),
             "trainable": int(mask.sum()),
         }
         for cname, mask in masks.items()
@@ -1157,6 +1178,7 @@ def _profile(
         warmup=int(warmup),
         checks=checks,
         nodes=rows,
+        branches=branch_rows,
     )
 
 
@@ -1213,24 +1235,30 @@ def _split_targets(charge, outputs: Sequence[str], index: dict[str, int]) -> dic
 
 def _charge(node_times, configs, charges, names, node_overhead):
     """Charge the ``full`` configuration's node times (kernel + per-node overhead, µs) to
-    tensors: returns ``(t_dw_us [N], t_dy_us [N], forward_pass_us, rows)``.
+    tensors: returns ``(t_dw_us [N], t_dy_us [N], forward_pass_us, rows, branches)``.
 
     Split nodes are split by measurement over all configurations (:func:`split_by_measurement`);
     the per-node overhead goes with the dX part when there is one (else the first part).
+    ``t_dy`` work of ops whose D(o) has a gap (``Charge.gap``) is also summed per
+    (tensor, gap) into ``branches`` (rows for :class:`etgraph.timing.BranchCharges`).
     """
     index = {n: i for i, n in enumerate(names)}
     t_dw = np.zeros(len(names))
     t_dy = np.zeros(len(names))
     forward_pass = 0.0
     rows = []
+    branch_us: dict[tuple, float] = {}
     others = [c for c in configs if c != "full"]
 
-    def add(kind: str, tensor: int | None, us: float) -> None:
+    def add(kind: str, tensor: int | None, us: float, gap=None) -> None:
         nonlocal forward_pass
         if kind == "dw":
             t_dw[tensor] += us
         elif kind == "dy":
             t_dy[tensor] += us
+            if gap is not None:
+                key = (tensor, gap[0], tuple(gap[1]))
+                branch_us[key] = branch_us.get(key, 0.0) + us
         else:
             forward_pass += us
 
@@ -1241,7 +1269,7 @@ def _charge(node_times, configs, charges, names, node_overhead):
         row = {"name": name, "op": nt.op, "us": nt.us, "charge": charge.kind}
         if charge.kind != "split":
             tensor = index[charge.tensor] if charge.tensor is not None else None
-            add(charge.kind, tensor, nt.us + node_overhead)
+            add(charge.kind, tensor, nt.us + node_overhead, charge.gap)
             row["tensor"] = charge.tensor
             rows.append(row)
             continue
@@ -1255,14 +1283,19 @@ def _charge(node_times, configs, charges, names, node_overhead):
         first = "dx" if "dx" in parts else next(iter(parts))
         for part, us in parts.items():
             kind, tensor = targets[part]
-            add(kind, tensor, us + (node_overhead if part == first else 0.0))
+            gap = charge.gap if part == "dx" else None
+            add(kind, tensor, us + (node_overhead if part == first else 0.0), gap)
         row["parts"] = {
             p: {"charge": targets[p][0], "tensor": _name(names, targets[p][1]), "us": us}
             for p, us in parts.items()
         }
         row["observations"] = [[sorted(ps), us] for ps, us in observations]
         rows.append(row)
-    return t_dw, t_dy, forward_pass, rows
+    branches = [
+        {"tensor": k, "prefix": p, "extra": list(extra), "us": us}
+        for (k, p, extra), us in sorted(branch_us.items())
+    ]
+    return t_dw, t_dy, forward_pass, rows, branches
 
 
 def _name(names: list[str], index: int | None) -> str | None:

@@ -791,10 +791,7 @@ class _Run:
             yield batch
 
     def predicted_step_us(self, mask: np.ndarray) -> float:
-        from . import timing
-
-        p = self.profile
-        return timing.step_us(mask, p.t_dw_us, p.t_dy_us, p.forward_us)
+        return self.profile.predicted_step_us(mask)
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -12,18 +12,31 @@ i.e. every selected tensor pays its own weight-gradient time ``t_dw`` and the er
 be propagated from the output down to (and including) the earliest selected tensor — the paper's
 ``f(M)``: M = [0,0,0,1,1,0,0] gives f(M) = [0,0,0,1,1,1,1]. An empty mask has no backward pass
 (0 µs). One training step costs ``step_us(M) = forward_us + backward_us(M)``; full training is the
-all-ones mask. The DP in :mod:`etgraph.selection` optimises against exactly this cost.
+all-ones mask. The DP in :mod:`etgraph.selection` optimises against exactly this chain cost.
+
+**Branches.** The chain rule is exact when every backward op's D(o) (the tensors whose gradient
+needs it) is a prefix {0..k}. On parallel branches (a ResNet block's main branch beside its
+projection shortcut) an op's D is {0..p-1} plus its own branch's tensors, and the op runs only
+if the earliest selected tensor is before the branch point (``e < p``) or a tensor of its
+branch is selected. The chain counts it whenever ``e <= k`` (an over-estimate when ``e`` falls
+on the other branch). Passing the profile's :class:`BranchCharges` makes :func:`backward_us` count
+those ops exactly; the DP keeps the chain cost, an upper bound of the exact one, so its
+selections always respect the budget.
 
 Pure numpy: no ONNX Runtime or torch import here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
 import numpy as np
 
 from etgraph.errors import ConfigError
 
 __all__ = [
+    "BranchCharges",
     "earliest_selected",
     "backward_us",
     "backward_us_many",
@@ -58,6 +71,60 @@ def _mask(mask, n: int) -> np.ndarray:
     return m.astype(bool, copy=False)
 
 
+@dataclass(frozen=True)
+class BranchCharges:
+    """``t_dy`` work of backward ops on parallel branches (D(o) not a prefix), G groups.
+
+    Attributes:
+        tensor: int [G], index of the tensor whose ``t_dy_us`` holds the work (the chain counts
+            it iff ``e(M) <= tensor``).
+        prefix: int [G], ``p``: D(o) contains every tensor before ``p``.
+        extra: bool [G, N], the other tensors of D(o) (the op's own branch).
+        us: float [G] µs, the work (already included in ``t_dy_us[tensor]``).
+
+    Exactly, group g runs iff ``e(M) < prefix[g]`` or ``M & extra[g]`` is not empty.
+    """
+
+    tensor: np.ndarray
+    prefix: np.ndarray
+    extra: np.ndarray
+    us: np.ndarray
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Mapping], n: int) -> BranchCharges:
+        """From ``[{"tensor", "prefix", "extra": [indices], "us"}]`` (a profile's ``branches``).
+
+        Raises:
+            ConfigError: an index is outside [0, n) or a time is negative / not finite.
+        """
+        rows = list(rows)
+        extra = np.zeros((len(rows), n), dtype=bool)
+        try:
+            for g, r in enumerate(rows):
+                extra[g, np.asarray(r["extra"], dtype=np.int64)] = True
+            tensor = np.array([int(r["tensor"]) for r in rows], dtype=np.int64)
+            prefix = np.array([int(r["prefix"]) for r in rows], dtype=np.int64)
+            us = np.array([float(r["us"]) for r in rows], dtype=np.float64)
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed branch charges ({exc}): re-run the profiler") from exc
+        if np.any((tensor < 0) | (tensor >= n)) or not np.all(np.isfinite(us)) or np.any(us < 0):
+            raise ConfigError("branch charges have bad tensor indices or times: re-profile")
+        return cls(tensor, prefix, extra, us)
+
+    def correction_us(self, masks: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Exact minus chain-counted branch work (µs, <= 0 when the chain over-counts), [K].
+
+        Args:
+            masks: bool [K, N]. first: int [K], ``e(M)`` per row (N for an empty row).
+        """
+        if self.us.size == 0:
+            return np.zeros(len(masks))
+        first = first[:, None]
+        counted = first <= self.tensor[None, :]
+        runs = (first < self.prefix[None, :]) | ((masks.astype(np.float64) @ self.extra.T) > 0)
+        return (runs.astype(np.float64) - counted) @ self.us
+
+
 def earliest_selected(mask) -> int | None:
     """Index of the earliest (nearest the input) selected tensor, ``e(M)``; None for an empty mask.
 
@@ -68,31 +135,30 @@ def earliest_selected(mask) -> int | None:
     return int(idx[0]) if idx.size else None
 
 
-def backward_us(mask, t_dw_us, t_dy_us) -> float:
+def backward_us(mask, t_dw_us, t_dy_us, branches: BranchCharges | None = None) -> float:
     """Predicted backward time (µs) of training the tensors in ``mask`` (paper Eq. 3).
 
-    ``sum(M * t_dw_us) + sum(t_dy_us[e(M):])``; 0.0 for an empty mask.
+    ``sum(M * t_dw_us) + sum(t_dy_us[e(M):])``; 0.0 for an empty mask. With ``branches``, the
+    branch work inside ``t_dy_us`` is counted only where it runs (module docstring).
 
     Args:
         mask: selection mask, bool [N], forward order.
         t_dw_us, t_dy_us: float [N] µs, >= 0, forward order.
+        branches: the profile's branch charges, or None for the plain chain model.
     Raises:
         ConfigError: shapes disagree, or timings are negative / not finite.
     """
-    t_dw, t_dy = _timings(t_dw_us, t_dy_us)
-    m = _mask(mask, t_dw.size)
-    e = earliest_selected(m)
-    if e is None:
-        return 0.0
-    return float(t_dw[m].sum() + t_dy[e:].sum())
+    m = _mask(mask, np.asarray(t_dw_us).size)
+    return float(backward_us_many(m[None, :], t_dw_us, t_dy_us, branches)[0])
 
 
-def backward_us_many(masks, t_dw_us, t_dy_us) -> np.ndarray:
+def backward_us_many(masks, t_dw_us, t_dy_us, branches: BranchCharges | None = None) -> np.ndarray:
     """Vectorised :func:`backward_us` for K masks at once.
 
     Args:
         masks: bool [K, N], one selection mask per row, forward order.
         t_dw_us, t_dy_us: float [N] µs.
+        branches: as in :func:`backward_us`.
     Returns:
         float64 [K] µs; 0.0 for empty rows.
     """
@@ -104,12 +170,17 @@ def backward_us_many(masks, t_dw_us, t_dy_us) -> np.ndarray:
     suffix = np.concatenate([np.cumsum(t_dy[::-1])[::-1], [0.0]])
     any_sel = m.any(axis=1)
     first = np.where(any_sel, m.argmax(axis=1), t_dw.size)
-    return m @ t_dw + suffix[first]
+    out = m @ t_dw + suffix[first]
+    if branches is not None:
+        out = out + branches.correction_us(m, first)
+    return out
 
 
-def step_us(mask, t_dw_us, t_dy_us, forward_us: float) -> float:
+def step_us(
+    mask, t_dw_us, t_dy_us, forward_us: float, branches: BranchCharges | None = None
+) -> float:
     """Predicted time (µs) of one training step: ``forward_us + backward_us(mask, ...)``."""
-    return float(forward_us) + backward_us(mask, t_dw_us, t_dy_us)
+    return float(forward_us) + backward_us(mask, t_dw_us, t_dy_us, branches)
 
 
 def budget_us(rho: float, forward_us: float, full_step_us: float) -> float:

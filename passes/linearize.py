@@ -27,7 +27,11 @@ models:
   skip q's tensors: a gap, again over-counted conservatively.
 
 ``d_min``, ``d_size`` and ``d_max`` are kept on every op so the gap is visible in the dumps
-(prefix iff ``d_min == 0 and d_size == d_max + 1``).
+(prefix iff ``d_min == 0 and d_size == d_max + 1``). Where D is not a prefix the pass also keeps
+``d_gap`` = ``[p, extra]``: D = {0, ..., p-1} plus the tensor indices ``extra`` (all > p), and
+``d_out_gap`` per output. The profiler turns these into *branch charges*, with which
+:func:`etgraph.timing.backward_us` counts such an op exactly: when ``e < p`` or a tensor of
+``extra`` is selected (see :class:`etgraph.timing.BranchCharges`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class LinearizePass:
     Ensures: graph attribute ``tensor_order`` (names by index); ``kind="chain"`` edges
     tensor k+1 -> tensor k; on every non-forward op ``d_size`` (int), ``d_min``/``d_max``
     (tensor index or None when D is empty) and ``d_out_max`` (list aligned with ``outputs``:
-    max index of D of that output value, or None).
+    max index of D of that output value, or None); ``d_gap`` and ``d_out_gap`` (per output):
+    None when D is empty or a prefix {0..max}, else ``[p, extra]`` (:func:`gap`).
     """
 
     name = "linearize"
@@ -95,4 +100,17 @@ class LinearizePass:
                 (per_value[v].bit_length() - 1) if per_value.get(v) else None
                 for v in attrs.get("outputs", [])
             ]
+            attrs["d_gap"] = gap(total)
+            attrs["d_out_gap"] = [gap(per_value.get(v, 0)) for v in attrs.get("outputs", [])]
         return PassResult(graph, True)
+
+
+def gap(bits: int) -> list | None:
+    """``[p, extra]`` for a D(o) bitset (bit k = tensor k) that is not a prefix: D = {0..p-1}
+    plus the sorted indices ``extra`` (all > p). None for an empty D or a prefix {0..max}."""
+    if bits == 0 or bits & (bits + 1) == 0:
+        return None
+    p = (bits ^ (bits + 1)).bit_length() - 1  # number of trailing ones
+    rest = bits >> p
+    extra = [p + i for i in range(rest.bit_length()) if rest >> i & 1]
+    return [p, extra]

@@ -145,6 +145,59 @@ def test_charges_predict_ort_pruned_backward(built, fixture, tmp_path):
     assert predicted == actual
 
 
+def _op_runs(c, selected: set[str], index: dict[str, int], exact: bool) -> bool:
+    """Does ORT keep op ``c`` when ``selected`` trains? Chain rule (``e <= charged tensor``)
+    or, with ``exact``, the D(o) gap rule (``e < p`` or a tensor of the op's branch selected)."""
+    e = min(index[t] for t in selected)
+
+    def dy_runs(tensor: str) -> bool:
+        if exact and c.gap is not None:
+            p, extra = c.gap
+            return e < p or any(index[t] in extra for t in selected)
+        return e <= index[tensor]
+
+    if c.kind == "dw":
+        return c.tensor in selected
+    if c.kind == "dy":
+        return dy_runs(c.tensor)
+    if c.kind == "split":
+        return bool(selected.intersection(c.dw_tensors)) or (
+            c.dy_tensor is not None and dy_runs(c.dy_tensor)
+        )
+    return False
+
+
+def test_branch_gaps_predict_ort_pruned_backward(built, tmp_path):
+    """ResNet projection shortcut: selecting a downsample kernel (and the classifier) but no
+    main-branch tensor of its block. ORT skips the block's main-branch backward; the chain rule
+    over-counts it, the gap rule predicts exactly the backward ops ORT keeps."""
+    model, graph, _ = built["resnet18s_onnx"]
+    order = graph.graph["tensor_order"]
+    index = {name: i for i, name in enumerate(order)}
+    downsample = [n for n in order if "downsample" in n and n.endswith("weight")]
+    assert downsample, order
+    selected = {downsample[-1], order[-2], order[-1]}
+    cs = list(charges(graph).values())
+    assert any(c.gap is not None for c in cs)
+    paths = generate(
+        model,
+        [n for n in order if n in selected],
+        [n for n in order if n not in selected] + running_statistics(model),
+        tmp_path / "a",
+    )
+    pruned = onnx.load(str(paths.training_model))
+    roles = node_roles(pruned, {n.name for n in model.graph.node})
+    actual = collections.Counter(
+        n.op_type
+        for n, role in zip(pruned.graph.node, roles, strict=True)
+        if role in ("backward", "accumulate")
+    )
+    exact = collections.Counter(c.op_type for c in cs if _op_runs(c, selected, index, True))
+    chain = collections.Counter(c.op_type for c in cs if _op_runs(c, selected, index, False))
+    assert exact == actual
+    assert chain != actual  # the chain rule over-counts here: the case the gaps exist for
+
+
 def test_tensor_table_rows(built):
     _, graph, _ = built["tiny_cnn_onnx"]
     rows = tensor_table(graph)

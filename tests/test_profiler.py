@@ -197,6 +197,24 @@ def test_conv_grad_is_split_by_measurement(resnet18s_profile):
     assert dx and all(r["parts"]["dx"]["charge"] == "dy" for r in dx)
 
 
+def test_branch_work_is_recorded_inside_t_dy(resnet18s_profile):
+    """resnet18s has projection shortcuts: main-branch backward work is recorded as branch
+    charges (already inside t_dy), and a mask training only a downsample kernel of a block
+    is predicted cheaper than the chain rule's count."""
+    prof = resnet18s_profile
+    assert prof.branches
+    per_tensor = np.zeros(len(prof.tensors))
+    for b in prof.branches:
+        assert b["prefix"] < b["tensor"] and b["us"] >= 0
+        per_tensor[b["tensor"]] += b["us"]
+    assert np.all(per_tensor <= prof.t_dy_us + 1e-6)
+    k = max(i for i, n in enumerate(prof.tensors) if "downsample" in n and n.endswith("weight"))
+    mask = np.zeros(len(prof.tensors), dtype=bool)
+    mask[[k, -1]] = True
+    chain = timing.step_us(mask, prof.t_dw_us, prof.t_dy_us, prof.forward_us)
+    assert prof.predicted_step_us(mask) < chain
+
+
 def test_optimizer_cost_is_measured_and_folded_into_t_dw(resnet18s_profile):
     prof = resnet18s_profile
     assert prof.optimizer_per_element_us > 0

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from etgraph.errors import ConfigError, InfeasibleBudgetError
 from etgraph.selection import select_tensors
 from etgraph.timing import (
+    BranchCharges,
     backward_us,
     backward_us_many,
     budget_us,
@@ -139,3 +140,30 @@ def test_selection_and_timing_are_pure_numpy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_branch_charges_count_branch_work_only_where_it_runs():
+    """Tensors 0 | 1 2 (shortcut) | 3 4 (main branch) | 5: an op of the main branch has
+    D = {0, 3, 4} (p = 1, extra {3, 4}) and sits in t_dy[4]; the chain counts it for any
+    e <= 4, but it runs only if tensor 0, 3 or 4 trains."""
+    t_dw = np.zeros(6)
+    t_dy = np.array([0.0, 0.0, 0.0, 0.0, 100.0, 1.0])
+    branches = BranchCharges.from_rows(
+        [{"tensor": 4, "prefix": 1, "extra": [3, 4], "us": 100.0}], 6
+    )
+
+    def exact(selected):
+        mask = np.zeros(6, dtype=bool)
+        mask[selected] = True
+        return backward_us(mask, t_dw, t_dy, branches), backward_us(mask, t_dw, t_dy)
+
+    assert exact([1]) == (1.0, 101.0)  # shortcut only: main-branch op skipped
+    assert exact([2, 5]) == (1.0, 101.0)
+    assert exact([1, 3]) == (101.0, 101.0)  # a main-branch tensor trains
+    assert exact([0]) == (101.0, 101.0)  # before the branch point
+    assert exact([5]) == (1.0, 1.0)  # after the block: neither counts it
+    assert exact([]) == (0.0, 0.0)
+    masks = np.array([[0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], dtype=bool)
+    np.testing.assert_allclose(backward_us_many(masks, t_dw, t_dy, branches), [1.0, 101.0])
+    with pytest.raises(ConfigError):
+        BranchCharges.from_rows([{"tensor": 9, "prefix": 1, "extra": [3], "us": 1.0}], 6)
