@@ -27,14 +27,18 @@ Why not the training optimizer's current moments: unselected tensors have none, 
 would be scored under different update rules and the scores would not be comparable. Why not
 SGD (``delta_w = -lr * g``, ``I_k = lr * ||g_k||^2``): that is the loss drop of an optimizer we
 do not train with; under AdamW every weight moves by about ``lr`` whatever its gradient scale,
-and the first AdamW step scores tensors by exactly that. The step is a real ORT optimizer step
-on an all-trainable artifacts set (delta_w = weights after - weights before), not a
-re-implementation.
+and the first AdamW step scores tensors by exactly that.
+
+**Cost.** The gradients come from a real ORT backward pass of all tensors; ``delta_w`` is the
+closed form above (:func:`adamw_first_step`, checked against a real ORT optimizer step in the
+tests), so no optimizer session and no fresh optimizer state are needed. The Module is built
+once and kept: an evaluation costs about one full training step (a re-selection per period
+must stay under 2% of the period, issue #6).
 
 **Without disturbing training.** The evaluation uses its own artifacts (all tensors trainable,
-cached once), its own CheckpointState, Module and Optimizer, built fresh for every evaluation
-(so the optimizer state is always the zero state above) and discarded afterwards; the training
-session's weights, moments and BatchNorm running statistics are never touched.
+cached once), its own CheckpointState and Module; every evaluation first overwrites all their
+weights and BatchNorm running statistics with the given ones, so the training session's
+weights, moments and statistics are never touched and one evaluation cannot leak into the next.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "adamw_first_step",
     "tensor_importance",
     "ImportanceResult",
     "ImportanceEvaluator",
@@ -94,6 +99,38 @@ def tensor_importance(gradients: Sequence[np.ndarray], deltas: Sequence[np.ndarr
     return out
 
 
+#: onnxblock.optim.AdamW defaults, as etgraph.artifacts generates the optimizer.
+ADAMW_BETAS = (0.9, 0.999)
+ADAMW_EPS = 1e-6
+
+
+def adamw_first_step(
+    gradient: np.ndarray,
+    weight: np.ndarray,
+    learning_rate: float,
+    weight_decay: float,
+    *,
+    betas: tuple[float, float] = ADAMW_BETAS,
+    eps: float = ADAMW_EPS,
+) -> np.ndarray:
+    """The update ORT's AdamW (onnxblock, Hugging Face mode) makes at step 1 from zero moments.
+
+    With ``m = (1 - b1) g``, ``v = (1 - b2) g^2`` and eps added to ``sqrt(v)`` before bias
+    correction: ``delta_w = -lr * (g / (|g| + eps / sqrt(1 - b2)) + weight_decay * w)``.
+
+    Args:
+        gradient, weight: float arrays of one shape (dL/dw and w before the update).
+        learning_rate: > 0. weight_decay: decoupled weight decay, >= 0.
+
+    Returns:
+        float64 array of the same shape, ``w_after - w_before``.
+    """
+    g = np.asarray(gradient, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    eps_eff = eps / np.sqrt(1.0 - betas[1])
+    return -learning_rate * (g / (np.abs(g) + eps_eff) + weight_decay * w)
+
+
 @dataclass(frozen=True)
 class ImportanceResult:
     """One importance evaluation.
@@ -102,7 +139,8 @@ class ImportanceResult:
         importance: float64 [N], forward order (see :func:`tensor_importance`).
         loss: mean training loss over the probe batches at the current weights.
         cost_s: wall time of the whole evaluation (session creation, steps, read-back), seconds.
-        session_s: part of ``cost_s`` spent loading the checkpoint and creating Module/Optimizer.
+        session_s: part of ``cost_s`` spent creating the Module (first evaluation only) and
+            writing the weights into it.
     """
 
     importance: np.ndarray
@@ -142,7 +180,21 @@ class ImportanceEvaluator:
             model, self.tensor_names, self.frozen_names, weight_decay=weight_decay
         )
         self.setup_s = time.perf_counter() - t0
+        self.weight_decay = float(weight_decay)
+        self._module = None  # (CheckpointState, Module), built at the first evaluation
         log.debug("importance artifacts %s (cache hit: %s)", self.paths.directory, hit)
+
+    def _session(self):
+        from onnxruntime.training.api import CheckpointState, Module
+
+        if self._module is None:
+            state = CheckpointState.load_checkpoint(str(self.paths.checkpoint))
+            self._module = (state, Module(str(self.paths.training_model), state))
+        return self._module
+
+    def close(self) -> None:
+        """Release the ORT session (the next evaluation builds it again)."""
+        self._module = None
 
     def evaluate(
         self,
@@ -153,8 +205,8 @@ class ImportanceEvaluator:
         """Importance at ``weights`` from one AdamW update of all tensors on ``batches``.
 
         Gradients of all batches are accumulated (ORT accumulates until ``lazy_reset_grad``)
-        and averaged; one optimizer step then gives ``delta_w``. Nothing outside this call's
-        own ORT session changes.
+        and averaged; ``delta_w`` is AdamW's first step (:func:`adamw_first_step`). Nothing
+        outside this evaluator's own ORT session changes.
 
         Args:
             weights: name -> array for every tensor in ``tensor_names`` and ``frozen_names``
@@ -168,25 +220,22 @@ class ImportanceEvaluator:
         Raises:
             ConfigError: no batch, a missing weight, or a non-positive learning rate.
         """
-        from onnxruntime.training.api import CheckpointState, Module, Optimizer
-
         if not learning_rate > 0:
             raise ConfigError(f"learning rate must be positive, got {learning_rate}")
+        missing = [n for n in self.tensor_names + self.frozen_names if n not in weights]
+        if missing:
+            raise ConfigError(f"no current value for tensor {missing[0]!r}")
         t0 = time.perf_counter()
-        state = CheckpointState.load_checkpoint(str(self.paths.checkpoint))
-        module = Module(str(self.paths.training_model), state)
-        optimizer = Optimizer(str(self.paths.optimizer_model), module)
-        # Write the current weights through zero-copy views, after the Module exists
-        # (assigning parameters[name] = a before a Module exists segfaults in 1.19.2).
+        state, module = self._session()
+        # Write through the zero-copy views (assigning parameters[name] = a segfaults in 1.19.2
+        # before a Module exists; the views are safe).
         params = state.parameters
         for name in self.tensor_names + self.frozen_names:
-            if name not in weights:
-                raise ConfigError(f"no current value for tensor {name!r}")
             params[name].data[...] = weights[name]
         session_s = time.perf_counter() - t0
 
         module.train()
-        before = [params[name].data.copy() for name in self.tensor_names]
+        module.lazy_reset_grad()  # drop the previous evaluation's gradients at the next call
         losses = []
         for x, y in batches:
             out = module(x, y)
@@ -194,12 +243,12 @@ class ImportanceEvaluator:
         if not losses:
             raise ConfigError("importance needs at least one probe batch")
         n = len(losses)
-        gradients = [params[name].grad.copy() / n for name in self.tensor_names]
-        optimizer.set_learning_rate(float(learning_rate))
-        optimizer.step()
-        deltas = [params[name].data - b for name, b in zip(self.tensor_names, before, strict=True)]
+        gradients = [params[name].grad / n for name in self.tensor_names]
+        deltas = [
+            adamw_first_step(g, weights[name], learning_rate, self.weight_decay)
+            for name, g in zip(self.tensor_names, gradients, strict=True)
+        ]
         importance = tensor_importance(gradients, deltas)
-        del optimizer, module, state, params
         cost_s = time.perf_counter() - t0
         return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
 
