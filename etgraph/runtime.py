@@ -59,7 +59,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .artifacts import ArtifactCache, ArtifactPaths
+from .artifacts import ArtifactCache, ArtifactPaths, session_options
 from .errors import CheckpointError, ConfigError, ProfileMismatchError
 
 log = logging.getLogger(__name__)
@@ -522,12 +522,9 @@ class TrainingSession:
     """
 
     def __init__(self, paths: ArtifactPaths, checkpoint: Path, threads: int | None):
-        from onnxruntime import SessionOptions
         from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-        options = SessionOptions()
-        if threads is not None:
-            options.intra_op_num_threads = int(threads)
+        options = session_options(threads)
         self.state = CheckpointState.load_checkpoint(str(checkpoint))
         self.module = Module(
             str(paths.training_model), self.state, str(paths.eval_model), session_options=options
@@ -771,6 +768,7 @@ class _Run:
                 self.running_stats,
                 self.cache,
                 weight_decay=self.config.weight_decay,
+                threads=self.threads,
             )
         return self._evaluator
 
@@ -1169,6 +1167,7 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
         artifacts_root=Path(info["artifacts_root"]) if info.get("artifacts_root") else None,
         progress=progress,
     )
+    _remove_temporaries(out)
     records = _read_log(out / LOG_FILE)
     if not (out / CHECKPOINT_FILE).exists():
         log.info("no checkpoint in %s yet: restarting the run", out)
@@ -1208,6 +1207,23 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
     _write_text_atomic(out / LOG_FILE, "".join(json.dumps(r) + "\n" for r in records))
     log.info("resuming %s at epoch %d of %d", out, epoch, config.epochs)
     return run.run(epoch, carried, records)
+
+
+def _remove_temporaries(out: Path) -> None:
+    """Delete what a killed run left half-written in its own directory: temporary files of the
+    atomic writes (``.<file>.<random>``) and temporary artifact directories in its own cache
+    (``artifacts/.<key>.<random>``). Never read, they would otherwise stay forever."""
+    names = (CHECKPOINT_FILE, LOG_FILE, SUMMARY_FILE, RUN_FILE, TRAINED_MODEL_FILE)
+    stale = [p for p in out.iterdir() if any(p.name.startswith(f".{n}.") for n in names)]
+    if (out / ARTIFACTS_DIR).is_dir():
+        stale += [p for p in (out / ARTIFACTS_DIR).iterdir() if p.name.startswith(".")]
+    for p in stale:
+        log.info("removing %s, left by an interrupted run", p)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def _read_log(path: Path) -> list[dict]:

@@ -222,6 +222,7 @@ def test_sigkill_during_artifact_generation(
     assert _checkpoint_epoch(out / "checkpoint") == 1  # the last good checkpoint loads
 
     records = _resume_and_compare(out, straight)
+    assert not tmp.exists()  # resume removed the killed run's temporary directory
     assert records[1]["artifacts_cache_hit"] is False  # regenerated, not the killed leftovers
     assert _complete_artifacts(target)
     assert sorted(os.listdir(target)) == sorted(ARTIFACT_FILES)
@@ -244,3 +245,5 @@ def test_sigkill_during_checkpoint_write(
         assert _checkpoint_epoch(out / "checkpoint") == 2  # the new one, complete
 
     _resume_and_compare(out, straight)
+    if point == "checkpoint-tmp":
+        assert not tmp.exists()  # resume removed the cut temporary file
