@@ -53,7 +53,7 @@ def rho(default_profile):
     from etgraph.timing import min_feasible_rho
 
     prof, _ = default_profile
-    floor = min_feasible_rho(prof.t_dw_us, prof.t_dy_us, prof.forward_us, prof.full_step_us)
+    floor = min_feasible_rho(prof.t_dw_us, prof.t_dy_us, prof.forward_us, prof.t_full_us)
     return round(min(0.95, max(0.6, floor + 0.1)), 3)
 
 
@@ -181,7 +181,7 @@ def test_strategy_masks(default_profile, default_model, rho):
     bn_bias = strategy_mask("bn-bias", tensors, prof, 0.5, None)
     for t, s in zip(tensors, bn_bias, strict=True):
         assert s == (t.kind in ("gamma", "beta", "bias") or t.layer == tensors[-1].layer)
-    budget = rho * prof.full_step_us
+    budget = rho * prof.t_full_us  # rho is relative to the time model's own full step
     for strategy in ("elastic", "topk", "prefix"):
         mask = strategy_mask(strategy, tensors, prof, rho, importance)
         assert mask.any() and prof.predicted_step_us(mask) <= budget + 1e-6, strategy
@@ -189,9 +189,7 @@ def test_strategy_masks(default_profile, default_model, rho):
     first = int(np.flatnonzero(prefix)[0])
     assert prefix[first:].all()
     with pytest.raises(InfeasibleBudgetError):
-        strategy_mask(
-            "elastic", tensors, prof, 0.5 * prof.forward_us / prof.full_step_us, importance
-        )
+        strategy_mask("elastic", tensors, prof, 0.5 * prof.forward_us / prof.t_full_us, importance)
 
 
 def test_config_validation():
@@ -228,7 +226,7 @@ def test_elastic_run_outputs_export_and_determinism(
     assert [r["epoch"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["selection"] and r["steps"] == QUICK["max_steps_per_epoch"]
-        assert r["predicted_step_us"] <= rho * prof.full_step_us + 1e-6
+        assert r["predicted_step_us"] <= rho * prof.t_full_us + 1e-6
         assert r["measured_step_us"] > 0 and r["wall_time_s"] > 0 and r["peak_rss_mb"] > 0
         assert r["reselection_s"] > 0 and np.isfinite(r["train_loss"] + r["val_loss"])
     _, _, props = read_checkpoint(out / "checkpoint")
@@ -298,11 +296,11 @@ def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, rho
     )
 
 
-def test_resume_errors(tmp_path, default_profile, default_model_path):
+def test_resume_errors(tmp_path, default_profile, default_model_path, rho):
     with pytest.raises(CheckpointError):
         resume(tmp_path / "nothing-here", progress=False)
     prof, _ = default_profile
-    config = TrainConfig(epochs=1, period=1, **QUICK)
+    config = TrainConfig(epochs=1, period=1, rho=rho, **QUICK)
     out = tmp_path / "run"
     train(default_model_path, prof, config, out, progress=False)
     (out / "checkpoint").write_bytes((out / "checkpoint").read_bytes()[:200])
