@@ -5,6 +5,7 @@
     python benchmarks/evaluate.py quality [--epochs 12] [--rho 0.5] [--period 3]
                                           [--model M.onnx|ZOO_NAME --data DIR]
     python benchmarks/evaluate.py all     (both, with defaults)
+    python benchmarks/evaluate.py plot-speed   (redraw speed.png from speed.json)
 
 speed    For each model and rho: the DP selection (importance from one probe batch of random
          data — speed does not depend on which tensors score high), then the requested,
@@ -239,9 +240,41 @@ def quality(
             rows,
         )
     )
+    full_s = full["result"]["wall_time_s"]
+    dp_s = sum(e["selection_s"] for r in runs if r["strategy"] == "elastic" for e in r["log"])
+    print(
+        f"profiling {prof.profiling_s:.1f} s = {100 * prof.profiling_s / full_s:.1f}% of full "
+        f"training's {full_s:.1f} s; elastic DP solves {dp_s * 1e3:.1f} ms in all"
+    )
     _plot(runs, results.with_suffix(".png"), f"{model.stem}, rho={rho}, period={period}")
     results.with_suffix(".json").write_text(json.dumps(runs, indent=2, default=str))
     return runs
+
+
+def _plot_speed(rows: list[dict], path: Path) -> None:
+    """Requested rho vs predicted and measured step ratio per model (one panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    ax.plot([0.3, 0.8], [0.3, 0.8], color="grey", lw=1, ls=":", label="requested")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        rho = [r["rho"] for r in mine]
+        (line,) = ax.plot(rho, [r["measured_ratio"] for r in mine], marker="o", label=model)
+        ax.plot(rho, [r["predicted_ratio"] for r in mine], ls="--", color=line.get_color())
+    ax.set(
+        xlabel="requested rho",
+        ylabel="step time / full step time",
+        title="measured (solid) vs predicted (dashed)",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _mean_step_us(log: list[dict]) -> float:
@@ -274,7 +307,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("what", choices=["speed", "quality", "all"])
+    ap.add_argument("what", choices=["speed", "quality", "all", "plot-speed"])
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS))
     ap.add_argument("--input-size", type=int, default=128)
     ap.add_argument("--rhos", nargs="+", type=float, default=[0.4, 0.5, 0.6, 0.7])
@@ -292,6 +325,8 @@ def main() -> None:
     if args.what in ("speed", "all"):
         rows = speed(args.models, args.input_size, args.rhos, args.batch_size, args.repeats)
         (RESULTS / "speed.json").write_text(json.dumps(rows, indent=2))
+    if args.what in ("speed", "all", "plot-speed"):
+        _plot_speed(json.loads((RESULTS / "speed.json").read_text()), RESULTS / "speed.png")
     if args.what in ("quality", "all"):
         model = Path(args.model)
         if not args.model.endswith(".onnx"):  # a zoo name: export at --input-size
