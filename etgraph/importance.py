@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .artifacts import ArtifactCache, ArtifactPaths
+from .artifacts import ArtifactCache, ArtifactPaths, session_options
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,7 @@ class ImportanceEvaluator:
         frozen_names: other parameters to carry (BatchNorm running statistics).
         cache: artifact cache; the all-trainable artifacts are generated once and reused.
         weight_decay: AdamW weight decay, the run's value (it enters delta_w).
+        threads: ORT intra-op threads (None = ORT's default), the run's setting.
 
     Raises:
         ModelError: onnxruntime-training cannot build the all-trainable training graph.
@@ -171,7 +172,9 @@ class ImportanceEvaluator:
         cache: ArtifactCache,
         *,
         weight_decay: float = 0.01,
+        threads: int | None = None,
     ):
+        self.threads = threads
         self.tensor_names = list(tensor_names)
         self.frozen_names = list(frozen_names)
         t0 = time.perf_counter()
@@ -189,7 +192,10 @@ class ImportanceEvaluator:
 
         if self._module is None:
             state = CheckpointState.load_checkpoint(str(self.paths.checkpoint))
-            self._module = (state, Module(str(self.paths.training_model), state))
+            module = Module(
+                str(self.paths.training_model), state, session_options=session_options(self.threads)
+            )
+            self._module = (state, module)
         return self._module
 
     def close(self) -> None:

@@ -80,11 +80,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .artifacts import session_options
 from .errors import ConfigError, ModelError, ProfileMismatchError
 
 log = logging.getLogger(__name__)
 
-PROFILE_FORMAT_VERSION = 2  # 2: branch charges
+PROFILE_FORMAT_VERSION = 3  # 2: branch charges; 3: measured without thread-pool spinning
 
 #: Output position of each part of ConvGrad / ConvTransposeGrad (dX, dW, dB).
 _CONV_GRAD_PARTS = ("dx", "dw", "db")
@@ -387,21 +388,6 @@ def robust_time(values) -> float:
     return float(np.quantile(np.asarray(values, dtype=np.float64), TIME_QUANTILE))
 
 
-def _session_options(threads: int, profile_prefix: str | None = None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = int(threads)
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 4  # errors come back as exceptions; native log lines would break
-    # the one-line CLI errors
-    if profile_prefix is not None:
-        so.enable_profiling = True
-        so.profile_file_prefix = profile_prefix
-    return so
-
-
 @dataclass
 class NodeTiming:
     """One node of a training graph: op type, outputs (``""`` = not computed), µs (robust_time)."""
@@ -470,7 +456,7 @@ class _ProfiledGraph:
         self.path = Path(training_model)
         prefix = str(Path(work_dir) / f"ort_trace_{self.path.parent.name}")
         self.session = ort.InferenceSession(
-            str(self.path), _session_options(threads, prefix), providers=["CPUExecutionProvider"]
+            str(self.path), session_options(threads, prefix), providers=["CPUExecutionProvider"]
         )
         self.feeds = _training_feeds(self.session, weights, batch)
 
@@ -503,7 +489,7 @@ class _TrainStep:
             str(d / "training_model.onnx"),
             self.state,
             str(d / "eval_model.onnx"),
-            session_options=_session_options(threads),
+            session_options=session_options(threads),
         )
         self.optimizer = api.Optimizer(str(d / "optimizer_model.onnx"), self.module)
         self.module.train()
@@ -541,7 +527,7 @@ class _OptimizerSubsets:
 
         self.session = ort.InferenceSession(
             str(optimizer_model),
-            _session_options(threads, str(Path(work_dir) / "ort_trace_optimizer")),
+            session_options(threads, str(Path(work_dir) / "ort_trace_optimizer")),
             providers=["CPUExecutionProvider"],
         )
         self.subsets = [list(s) for s in subsets]
@@ -778,7 +764,7 @@ def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 3
             g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9
         ).SerializeToString()
 
-    so = _session_options(threads)
+    so = session_options(threads)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     x = {"t0": np.ones(1, np.float32)}
     medians = []
