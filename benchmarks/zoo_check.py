@@ -82,7 +82,12 @@ def check_one(name: str, input_size: int, num_classes: int, batch_size: int, ste
 
         t0 = time.perf_counter()
         state = api.CheckpointState.load_checkpoint(str(paths.checkpoint))
-        module = api.Module(str(paths.training_model), state, str(paths.eval_model))
+        module = api.Module(
+            str(paths.training_model),
+            state,
+            str(paths.eval_model),
+            session_options=artifacts.session_options(None),  # as etgraph trains
+        )
         optimizer = api.Optimizer(str(paths.optimizer_model), module)
         session_s = time.perf_counter() - t0
         rng = np.random.default_rng(0)
