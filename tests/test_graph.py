@@ -134,15 +134,23 @@ def test_charges_predict_ort_pruned_backward(built, fixture, tmp_path):
             )
         ):
             predicted[c.op_type] += 1
-    paths = generate(model, order[e:], order[:e] + running_statistics(model), tmp_path / "a")
+    actual = _kept_backward_ops(
+        model, order[e:], order[:e] + running_statistics(model), tmp_path / "a"
+    )
+    assert predicted == actual
+
+
+def _kept_backward_ops(model, trainable, frozen, directory) -> collections.Counter:
+    """Op types of the backward (and gradient-accumulation) nodes ORT keeps in the training
+    graph it generates for ``trainable`` — the ground truth the charges must predict."""
+    paths = generate(model, trainable, frozen, directory)
     pruned = onnx.load(str(paths.training_model))
     roles = node_roles(pruned, {n.name for n in model.graph.node})
-    actual = collections.Counter(
+    return collections.Counter(
         n.op_type
         for n, role in zip(pruned.graph.node, roles, strict=True)
         if role in ("backward", "accumulate")
     )
-    assert predicted == actual
 
 
 def _op_runs(c, selected: set[str], index: dict[str, int], exact: bool) -> bool:
@@ -179,18 +187,11 @@ def test_branch_gaps_predict_ort_pruned_backward(built, tmp_path):
     selected = {downsample[-1], order[-2], order[-1]}
     cs = list(charges(graph).values())
     assert any(c.gap is not None for c in cs)
-    paths = generate(
+    actual = _kept_backward_ops(
         model,
         [n for n in order if n in selected],
         [n for n in order if n not in selected] + running_statistics(model),
         tmp_path / "a",
-    )
-    pruned = onnx.load(str(paths.training_model))
-    roles = node_roles(pruned, {n.name for n in model.graph.node})
-    actual = collections.Counter(
-        n.op_type
-        for n, role in zip(pruned.graph.node, roles, strict=True)
-        if role in ("backward", "accumulate")
     )
     exact = collections.Counter(c.op_type for c in cs if _op_runs(c, selected, index, True))
     chain = collections.Counter(c.op_type for c in cs if _op_runs(c, selected, index, False))
