@@ -43,7 +43,7 @@ def session_options(threads: int | None, profile_prefix: str | None = None):
     no spinning: with spinning allowed, an idle session's pool threads busy-wait after each run
     and take the cores from the session that runs next. Measured on 2 cores (default model,
     three training sessions stepped round-robin): steps 1.6-2.8x slower than each alone with
-    spinning, within 5% without (``shared/ORT_NOTES.md``).
+    spinning, within 5% without (README, "Thread-pool spinning").
 
     Args:
         threads: intra-op threads, or None.
