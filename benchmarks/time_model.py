@@ -11,7 +11,7 @@ with a probability drawn uniformly per mask (uniform Bernoulli masks would all s
 all cost about a full backward pass). DP masks use a data-free importance prior (each tensor's
 share of the parameters, as ``etgraph compile`` does without data).
 
-Defaults: batch 4, input 3x128x128 (128 px keeps each model's run within ~15 minutes on 2 cores;
+Defaults: batch 4, input 3x128x128 (the four models take ~8 minutes in all on 2 cores;
 224 px is ~3x slower), 10 classes, 5 measured + 2 warm-up steps per mask.
 
 The machine may be shared: masks are measured in groups round-robin with full training (one
