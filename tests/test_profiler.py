@@ -318,3 +318,16 @@ def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_onnx, res
     # Sanity: these selective steps are faster than full ones, measured and predicted.
     assert np.all(measured < full)
     assert np.all(predicted < prof.full_step_us)
+
+
+def test_sessions_do_not_spin():
+    """Every ORT session etgraph opens turns thread-pool spinning off: with it on, an idle
+    session's threads busy-wait and slow whichever session runs next (README, "Thread-pool
+    spinning"), and profiles stop predicting training."""
+    from etgraph.artifacts import session_options
+
+    for threads, prefix in ((None, None), (2, "trace")):
+        so = session_options(threads, prefix)
+        assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert session_options(2).intra_op_num_threads == 2
+    assert session_options(None, "trace").enable_profiling
