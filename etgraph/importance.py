@@ -131,6 +131,45 @@ def adamw_first_step(
     return -learning_rate * (g / (np.abs(g) + eps_eff) + weight_decay * w)
 
 
+#: Elements per chunk in :func:`_adamw_importance` (4 MB float32 scratch buffers).
+_CHUNK = 1 << 20
+
+
+def _adamw_importance(
+    gradient: np.ndarray,
+    weight: np.ndarray,
+    learning_rate: float,
+    weight_decay: float,
+    batches: int,
+    scratch: np.ndarray,
+) -> float:
+    """``tensor_importance`` of one tensor under :func:`adamw_first_step`, without the update.
+
+    ``-sum(g * delta_w) = lr * sum(g * (g / (|g| + eps_eff) + wd * w))`` with ``g`` the
+    accumulated gradient divided by ``batches``. Computed chunk-wise in float32 with float64
+    accumulation in three preallocated buffers (``scratch``: float32 [3, _CHUNK]): whole-tensor
+    float64 temporaries cost ~0.5 s per evaluation on ResNet50 once freed memory has been
+    returned to the OS (page faults on every new array), ten times the arithmetic.
+    """
+    g = np.asarray(gradient, dtype=np.float32).reshape(-1)
+    w = np.asarray(weight, dtype=np.float32).reshape(-1)
+    eps_eff = ADAMW_EPS / np.sqrt(1.0 - ADAMW_BETAS[1])
+    total = 0.0
+    for start in range(0, g.size, _CHUNK):
+        gs, ws = g[start : start + _CHUNK], w[start : start + _CHUNK]
+        m = gs.size
+        gm, t, u = scratch[0, :m], scratch[1, :m], scratch[2, :m]
+        np.multiply(gs, 1.0 / batches, out=gm)  # mean gradient over the probe batches
+        np.abs(gm, out=t)
+        t += eps_eff
+        np.divide(gm, t, out=t)  # g / (|g| + eps_eff)
+        np.multiply(ws, weight_decay, out=u)
+        t += u
+        t *= gm
+        total += float(t.sum(dtype=np.float64))
+    return float(learning_rate) * total
+
+
 @dataclass(frozen=True)
 class ImportanceResult:
     """One importance evaluation.
@@ -185,6 +224,7 @@ class ImportanceEvaluator:
         self.setup_s = time.perf_counter() - t0
         self.weight_decay = float(weight_decay)
         self._module = None  # (CheckpointState, Module), built at the first evaluation
+        self._scratch = np.empty((3, _CHUNK), dtype=np.float32)  # see _adamw_importance
         log.debug("importance artifacts %s (cache hit: %s)", self.paths.directory, hit)
 
     def _session(self):
@@ -248,13 +288,20 @@ class ImportanceEvaluator:
             losses.append(float(out[0] if isinstance(out, (tuple, list)) else out))
         if not losses:
             raise ConfigError("importance needs at least one probe batch")
-        n = len(losses)
-        gradients = [params[name].grad / n for name in self.tensor_names]
-        deltas = [
-            adamw_first_step(g, weights[name], learning_rate, self.weight_decay)
-            for name, g in zip(self.tensor_names, gradients, strict=True)
-        ]
-        importance = tensor_importance(gradients, deltas)
+        importance = np.array(
+            [
+                _adamw_importance(
+                    params[name].grad,  # a zero-copy view of the accumulated gradient
+                    weights[name],
+                    learning_rate,
+                    self.weight_decay,
+                    len(losses),
+                    self._scratch,
+                )
+                for name in self.tensor_names
+            ],
+            dtype=np.float64,
+        )
         cost_s = time.perf_counter() - t0
         return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
 

@@ -29,6 +29,22 @@ def test_tensor_importance_is_minus_sum_of_gradient_times_update():
     np.testing.assert_allclose(sgd, [0.01 * np.sum(gi**2) for gi in g])
 
 
+def test_chunked_adamw_importance_equals_the_reference():
+    """The evaluator's chunked float32 form equals tensor_importance of adamw_first_step (the
+    documented definition) — across chunk boundaries and with several probe batches."""
+    from etgraph.importance import _CHUNK, _adamw_importance, adamw_first_step
+
+    rng = np.random.default_rng(3)
+    scratch = np.empty((3, _CHUNK), dtype=np.float32)
+    for size, batches in ((7, 1), (_CHUNK + 12345, 2), (2 * _CHUNK, 3)):
+        g = (rng.standard_normal(size) * 10.0 ** rng.uniform(-9, -1, size)).astype(np.float32)
+        w = rng.standard_normal(size).astype(np.float32)
+        mean = g.astype(np.float64) / batches
+        expected = tensor_importance([mean], [adamw_first_step(mean, w, 1e-3, 0.05)])[0]
+        got = _adamw_importance(g, w, 1e-3, 0.05, batches, scratch)
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
 def test_tensor_importance_rejects_mismatches():
     with pytest.raises(ConfigError):
         tensor_importance([np.zeros(2)], [])
