@@ -273,3 +273,13 @@ class ArtifactCache:
         if paths.exists():
             return paths, True
         return generate(model, requires_grad, frozen_params, paths.directory, **kwargs), False
+
+    def remove_temporaries(self) -> None:
+        """Delete the temporary directories (``.<key>.<random>``) :func:`generate` leaves when
+        its process is killed mid-generation. Only for a root no other process is writing to."""
+        if not self.root.is_dir():
+            return
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("."):
+                log.info("removing %s, left by an interrupted generation", p)
+                shutil.rmtree(p, ignore_errors=True)

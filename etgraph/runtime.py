@@ -403,19 +403,33 @@ def write_checkpoint(
     _write_bytes_atomic(Path(path), bytes(b.Output()))
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
+def _temporary_prefix(name: str) -> str:
+    """Name prefix of the temporary file an atomic write of ``name`` goes through."""
+    return f".{name}."
+
+
+@contextlib.contextmanager
+def _atomic_target(path: Path) -> Iterator[str]:
+    """Yield a temporary path beside ``path`` (``.<name>.<random>``) to write to; once the block
+    completes, fsync it and rename it over ``path``. On any error it is deleted; a SIGKILL
+    leaves it for :func:`_remove_temporaries`, and ``path`` keeps its last complete version."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path.name), dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    with _atomic_target(path) as tmp:
+        Path(tmp).write_bytes(data)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -562,17 +576,8 @@ class TrainingSession:
 
         for key, value in properties.items():
             self.state.properties[key] = value
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
+        with _atomic_target(path) as tmp:
             CheckpointState.save_checkpoint(self.state, tmp, include_optimizer_state=True)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def weights(self) -> dict[str, np.ndarray]:
         return {name: p.data.copy() for name, p in self.state.parameters}
@@ -1168,6 +1173,8 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
         progress=progress,
     )
     _remove_temporaries(out)
+    if not info.get("artifacts_root"):  # the run's own cache (a shared one may be in use)
+        run.cache.remove_temporaries()
     records = _read_log(out / LOG_FILE)
     if not (out / CHECKPOINT_FILE).exists():
         log.info("no checkpoint in %s yet: restarting the run", out)
@@ -1210,18 +1217,12 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
 
 
 def _remove_temporaries(out: Path) -> None:
-    """Delete what a killed run left half-written in its own directory: temporary files of the
-    atomic writes (``.<file>.<random>``) and temporary artifact directories in its own cache
-    (``artifacts/.<key>.<random>``). Never read, they would otherwise stay forever."""
+    """Delete the temporary files of atomic writes (:func:`_atomic_target`) a killed run left
+    half-written in its directory. Never read, they would otherwise stay forever."""
     names = (CHECKPOINT_FILE, LOG_FILE, SUMMARY_FILE, RUN_FILE, TRAINED_MODEL_FILE)
-    stale = [p for p in out.iterdir() if any(p.name.startswith(f".{n}.") for n in names)]
-    if (out / ARTIFACTS_DIR).is_dir():
-        stale += [p for p in (out / ARTIFACTS_DIR).iterdir() if p.name.startswith(".")]
-    for p in stale:
-        log.info("removing %s, left by an interrupted run", p)
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
+    for p in out.iterdir():
+        if p.is_file() and any(p.name.startswith(_temporary_prefix(n)) for n in names):
+            log.info("removing %s, left by an interrupted run", p)
             with contextlib.suppress(OSError):
                 p.unlink()
 
