@@ -37,6 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from etgraph import model as model_spec  # noqa: E402
 from etgraph import onnx_io, profiler, selection, timing  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
 
@@ -175,7 +176,7 @@ def quality(
     from etgraph.runtime import TrainConfig, train
 
     model = Path(model)
-    shape = onnx_io.input_shape(onnx_io.load_model(model))
+    shape = model_spec.input_shape(onnx_io.load_model(model))
     results = RESULTS / f"quality_{model.stem}"
     prof = profiler.profile_model(
         model, batch_size=batch_size, input_shape=shape, cache_dir=profiler.default_cache_dir()

@@ -29,40 +29,11 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import ConfigError, ModelError
+from .sessions import session_options  # noqa: F401  (transitional re-export)
 
 log = logging.getLogger(__name__)
 
 ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
-
-
-def session_options(threads: int | None, profile_prefix: str | None = None):
-    """``onnxruntime.SessionOptions`` for every ORT session etgraph opens (profiling, training,
-    importance), so that what the profile measures is what training runs.
-
-    Sequential execution, ``threads`` intra-op threads (None = ORT's default, one per core), and
-    no spinning: with spinning allowed, an idle session's pool threads busy-wait after each run
-    and take the cores from the session that runs next. Measured on 2 cores (default model,
-    three training sessions stepped round-robin): steps 1.6-2.8x slower than each alone with
-    spinning, within 5% without (README, "Thread-pool spinning").
-
-    Args:
-        threads: intra-op threads, or None.
-        profile_prefix: turn on ORT's per-node profiling, trace files named by this prefix.
-    """
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    if threads is not None:
-        so.intra_op_num_threads = int(threads)
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.log_severity_level = 4  # errors come back as exceptions; native log lines would break
-    # the one-line CLI errors
-    if profile_prefix is not None:
-        so.enable_profiling = True
-        so.profile_file_prefix = profile_prefix
-    return so
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def profile_command(
     model, batch_size, input_shape, repeats, warmup, threads, output, cache_dir, no_cache, clock
 ):
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
-    from .onnx_io import parse_input_shape
+    from .model import parse_input_shape
     from .profiler import default_cache_dir, profile_model
 
     shape = parse_input_shape(input_shape) if input_shape else None
@@ -332,7 +332,7 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads):
 
     from .data import DEFAULT_MODEL_PATH
     from .errors import ModelError
-    from .onnx_io import parse_input_shape
+    from .model import parse_input_shape
     from .profiler import Profile, default_cache_dir, profile_model
 
     source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)

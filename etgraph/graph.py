@@ -19,7 +19,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
@@ -30,191 +30,20 @@ from passes import (
     default_pass_manager,
     op_id,
     op_nodes,
-    op_rule,
     tensor_id,
     tensor_nodes,
 )
 
 from .errors import ConfigError, ModelError
-from .onnx_io import INPUT_NAME, OUTPUT_NAME, data_path_values, model_hash
+from .model import TensorInfo, running_statistics, trainable_tensors
+from .onnx_io import INPUT_NAME, OUTPUT_NAME, model_hash
+from .ops import op_rule
 
 log = logging.getLogger(__name__)
 
 TENSOR_KINDS = ("kernel", "bias", "gamma", "beta", "embedding")
 CHARGE_KINDS = ("dw", "dy", "split", "forward", "loss")
 GRAPH_FORMATS = ("json", "graphml", "dot")
-
-_FLOAT_TYPES = {
-    onnx.TensorProto.FLOAT,
-    onnx.TensorProto.FLOAT16,
-    onnx.TensorProto.DOUBLE,
-    onnx.TensorProto.BFLOAT16,
-}
-
-
-@dataclass
-class TensorInfo:
-    """One trainable tensor.
-
-    Attributes:
-        index: position in forward order (0 nearest the input).
-        name: initializer name in the ONNX model.
-        kind: ``kernel``, ``bias``, ``gamma``, ``beta`` or ``embedding``.
-        layer: name of the ONNX node that applies the tensor to the data (for a MatMul+Add bias:
-            the MatMul).
-        op_type: that node's op type.
-        shape: initializer shape.
-        params: number of elements.
-        values: value names that carry the tensor into its layer (its name, then the outputs of
-            weight-preprocessing nodes such as ``Transpose(W)``).
-    """
-
-    index: int
-    name: str
-    kind: str
-    layer: str
-    op_type: str
-    shape: tuple[int, ...]
-    params: int
-    values: tuple[str, ...] = field(default=())
-
-
-def _float_initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    return {i.name: i for i in model.graph.initializer if i.data_type in _FLOAT_TYPES}
-
-
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[int, int]]]:
-    """value name -> [(node position, input slot)] in graph order."""
-    out: dict[str, list[tuple[int, int]]] = {}
-    for pos, node in enumerate(graph.node):
-        for slot, name in enumerate(node.input):
-            if name:
-                out.setdefault(name, []).append((pos, slot))
-    return out
-
-
-def _input_values(graph: onnx.GraphProto) -> set[str]:
-    """Values computed from the graph input through differentiable inputs (the data path)."""
-    return data_path_values(graph, from_initializers=False)
-
-
-def _locate(
-    model: onnx.ModelProto,
-) -> tuple[dict[str, tuple[int, int, tuple[str, ...]]], set[str]]:
-    """For every float initializer that reaches the data path through differentiable inputs:
-    (position of the node mixing it into the data path, input slot there, carrying values).
-    Also returns the names of running statistics (BN mean/var slots)."""
-    graph = model.graph
-    consumers = _consumers(graph)
-    data = _input_values(graph)
-    found: dict[str, tuple[int, int, tuple[str, ...]]] = {}
-    stats: set[str] = set()
-    for name, init in _float_initializers(model).items():
-        frontier, carrying, best = [name], [name], None
-        seen = {name}
-        while frontier:
-            value = frontier.pop()
-            for pos, slot in consumers.get(value, []):
-                node = graph.node[pos]
-                rule = op_rule(node.op_type)
-                if slot in rule.stat_slots:
-                    stats.add(name)
-                    continue
-                if slot in rule.nondiff_slots or not rule.differentiable:
-                    continue
-                if any(o in data for o in node.output):
-                    if best is None or (pos, slot) < best:
-                        best = (pos, slot)
-                    continue
-                for out in node.output:  # weight preprocessing (Transpose, Reshape, Expand ...)
-                    if out and out not in seen:
-                        seen.add(out)
-                        frontier.append(out)
-                        carrying.append(out)
-        if best is None:
-            continue
-        numel = int(np.prod(init.dims)) if init.dims else 1
-        rule = op_rule(graph.node[best[0]].op_type)
-        if best[1] not in rule.weight_slots and numel <= 1:
-            continue  # a scalar constant (x * 0.5, x + eps), not a tensor worth training
-        found[name] = (best[0], best[1], tuple(carrying))
-    return found, stats
-
-
-def trainable_tensors(model: onnx.ModelProto) -> list[TensorInfo]:
-    """The trainable tensors of ``model`` in forward order (shared design: "Trainable tensors").
-
-    A float initializer is trainable when it reaches the data path through differentiable op
-    inputs (registry :data:`passes.OP_RULES`); its *layer* is the node where it meets the data
-    (after weight preprocessing such as Transpose). Kind by the layer's op type and input slot:
-    Conv/ConvTranspose/Gemm/MatMul kernel and bias, BatchNormalization/LayerNormalization/
-    GroupNormalization gamma and beta, Gather data -> embedding; an initializer added right after
-    a MatMul/Gemm/Conv that has a kernel is that layer's bias; any other non-scalar float
-    initializer on the data path (cls token, position embedding) is an embedding. Excluded:
-    running statistics, integer/shape constants, scalar float constants, anything only feeding
-    shapes.
-
-    Order: position of the layer node in the (topological) node order, then input slot.
-
-    Raises:
-        ModelError: no trainable tensor at all.
-    """
-    graph = model.graph
-    located, _ = _locate(model)
-    inits = _float_initializers(model)
-    producer = {o: pos for pos, node in enumerate(graph.node) for o in node.output if o}
-    kernel_layers = {
-        pos for pos, slot, _ in located.values() if op_rule(graph.node[pos].op_type).weight_slots
-    }
-    rows = []
-    for name, (pos, slot, carrying) in located.items():
-        node = graph.node[pos]
-        rule = op_rule(node.op_type)
-        kind, layer = rule.weight_slots.get(slot, "embedding"), node
-        if node.op_type == "MatMul" or (node.op_type == "Gemm" and slot in (0, 1)):
-            kind = "kernel"
-        if kind == "embedding" and node.op_type == "Add":
-            other = [v for i, v in enumerate(node.input) if i != slot]
-            src = producer.get(other[0]) if len(other) == 1 else None
-            if (
-                src is not None
-                and src in kernel_layers
-                and op_rule(graph.node[src].op_type).family == "conv_dense"
-            ):
-                kind, layer = "bias", graph.node[src]
-        init = inits[name]
-        shape = tuple(int(d) for d in init.dims)
-        rows.append((pos, slot, name, kind, layer.name, layer.op_type, shape, carrying))
-    if not rows:
-        raise ModelError(
-            "the model has no trainable tensors (no float initializer reaches the data path); "
-            "export it with its weights as initializers (do_constant_folding=False)"
-        )
-    rows.sort(key=lambda r: (r[0], r[1]))
-    return [
-        TensorInfo(
-            index=i,
-            name=name,
-            kind=kind,
-            layer=layer,
-            op_type=op_type,
-            shape=shape,
-            params=int(np.prod(shape)) if shape else 1,
-            values=carrying,
-        )
-        for i, (_, _, name, kind, layer, op_type, shape, carrying) in enumerate(rows)
-    ]
-
-
-def running_statistics(model: onnx.ModelProto) -> list[str]:
-    """Names of BatchNormalization running mean/var initializers, in graph order.
-
-    They are updated by the training graph but never trained: pass them as ``frozen_params`` to
-    :func:`etgraph.artifacts.generate` so they stay in the checkpoint.
-    """
-    _, stats = _locate(model)
-    return [i.name for i in model.graph.initializer if i.name in stats]
-
 
 # ---- the tensor graph ----
 
@@ -675,9 +504,9 @@ def load_tensor_graph(
         return read_graph(target)
     if not target.exists():
         raise ConfigError(f"{target}: no such model file or compiled directory")
-    from .onnx_io import load_model
+    from .model import LoadedModel
 
-    return build_tensor_graph(load_model(target), work_dir=work_dir)
+    return build_tensor_graph(LoadedModel.load(target).proto, work_dir=work_dir)
 
 
 def format_tensor_table(rows: list[dict]) -> str:

@@ -54,8 +54,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .artifacts import ArtifactCache, ArtifactPaths, session_options
+from .artifacts import ArtifactCache, ArtifactPaths
 from .errors import ConfigError
+from .sessions import session_options
 
 log = logging.getLogger(__name__)
 

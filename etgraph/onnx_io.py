@@ -18,13 +18,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 from pathlib import Path
 
 import onnx
 from onnx import TensorProto, helper
 
-from .errors import ConfigError, ModelError, UnsupportedOpError
+from .errors import ModelError, UnsupportedOpError
+from .ops import data_path_values, no_gradient_ops
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +32,6 @@ MAX_IR_VERSION = 10
 MAX_OPSET = 21
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
-
-# Ops without a gradient builder in onnxruntime-training 1.19.2 (shared/ORT_NOTES.md), with the
-# rewrite to suggest. HardSwish, HardSigmoid and Sum are rewritten by _rewrite_no_grad_ops.
-NO_GRADIENT_OPS: dict[str, str] = {
-    "GlobalMaxPool": "replace it by MaxPool with kernel_shape = the spatial size",
-    "HardSigmoid": "rewrite as clip(alpha*x + beta, 0, 1)",
-    "HardSwish": "rewrite as x * clip(x + 3, 0, 6) / 6",
-    "ReduceMax": "replace it by MaxPool, or avoid it on the trained path",
-    "InstanceNormalization": "decompose it into ReduceMean/Sub/Mul/Sqrt/Div",
-    "GroupNormalization": "decompose it into Reshape + ReduceMean/Sub/Mul/Sqrt/Div + Mul/Add",
-    "Sum": "replace it by a chain of Add",
-    "CumSum": "replace it by a MatMul with a triangular constant",
-    "Softplus": "rewrite as log(1 + exp(x))",
-    "Atan": "remove it from the trained path",
-}
-
-_FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -84,14 +67,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         onnx.checker.check_model(model)
     except Exception as exc:
         raise ModelError(f"{path}: invalid ONNX model: {_first_line(exc)}") from exc
-    model = legalize(model, source=str(path))
-    from .graph import trainable_tensors
-
-    try:
-        trainable_tensors(model)
-    except ModelError as exc:
-        raise ModelError(f"{path}: {exc}") from None
-    return model
+    return legalize(model, source=str(path))
 
 
 def legalize(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
@@ -278,111 +254,18 @@ def _rewrite_no_grad_ops(graph: onnx.GraphProto, source: str) -> None:
         graph.node.extend(new_nodes)
 
 
-def data_path_values(graph: onnx.GraphProto, *, from_initializers: bool = True) -> set[str]:
-    """Values that can carry a gradient: reachable from the graph input (and, when
-    ``from_initializers``, from a float initializer) through differentiable op inputs
-    (registry :data:`passes.OP_RULES`). Includes the seeds themselves."""
-    from passes import op_rule
-
-    init_names = {x.name for x in graph.initializer}
-    carrying = {i.name for i in graph.input if i.name not in init_names}
-    if from_initializers:
-        carrying |= {i.name for i in graph.initializer if i.data_type in _FLOAT_TYPES}
-    for node in graph.node:  # graph order is topological
-        rule = op_rule(node.op_type)
-        if not rule.differentiable:
-            continue
-        if node.op_type == "Cast":
-            to = next((a.i for a in node.attribute if a.name == "to"), TensorProto.FLOAT)
-            if to not in _FLOAT_TYPES:
-                continue
-        if any(v in carrying for i, v in enumerate(node.input) if i not in rule.nondiff_slots):
-            carrying.update(o for o in node.output if o)
-    return carrying
-
-
 def _refuse_no_grad_ops(graph: onnx.GraphProto, source: str) -> None:
     carrying = data_path_values(graph)
-    from passes import op_rule
-
+    no_gradient = no_gradient_ops()
     for node in graph.node:
-        if node.op_type not in NO_GRADIENT_OPS or node.domain not in ("", "ai.onnx"):
+        if node.op_type not in no_gradient or node.domain not in ("", "ai.onnx"):
             continue
-        slots = op_rule(node.op_type).nondiff_slots
-        if any(v in carrying for i, v in enumerate(node.input) if i not in slots):
+        rule = no_gradient[node.op_type]
+        if any(v in carrying for i, v in enumerate(node.input) if i not in rule.nondiff_slots):
             raise UnsupportedOpError(
                 f"{source}: node {node.name!r} uses op {node.op_type}, which has no gradient in "
-                f"onnxruntime-training 1.19.2; {NO_GRADIENT_OPS[node.op_type]} and re-export"
+                f"onnxruntime-training 1.19.2; {rule.fix} and re-export"
             )
-
-
-# ---- input shape ----
-
-_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX,]\s*(\d+)\s*[xX,]\s*(\d+)\s*$")
-
-
-def parse_input_shape(text: str) -> tuple[int, int, int]:
-    """Parse ``"3x224x224"`` (also ``"3,224,224"``) into ``(C, H, W)``, all positive ints.
-
-    Raises:
-        ConfigError: malformed text or a zero dimension.
-    """
-    match = _SHAPE_RE.match(str(text))
-    if not match:
-        raise ConfigError(f"input shape {text!r} is malformed: use CxHxW, e.g. 3x224x224")
-    dims = tuple(int(g) for g in match.groups())
-    if min(dims) <= 0:
-        raise ConfigError(f"input shape {text!r} has a zero dimension: use CxHxW, e.g. 3x224x224")
-    return dims  # type: ignore[return-value]
-
-
-def input_shape(
-    model: onnx.ModelProto, override: str | tuple[int, int, int] | None = None
-) -> tuple[int, int, int]:
-    """The per-sample input shape ``(C, H, W)`` of an image model (batch dim may be symbolic).
-
-    Args:
-        model: a model with one graph input of rank 4 ``[B, C, H, W]``.
-        override: ``"CxHxW"`` text or a 3-tuple; wins over the model's static dims (needed when
-            they are symbolic). C must match a static channel dim of the model.
-
-    Raises:
-        ConfigError: override malformed or disagreeing with the model's channels, or symbolic
-            C/H/W without an override.
-        ModelError: the input is not rank 4.
-    """
-    init_names = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in init_names]
-    if len(inputs) != 1:
-        raise ModelError(f"expected exactly one graph input, found {len(inputs)}")
-    vi = inputs[0]
-    dims = list(vi.type.tensor_type.shape.dim)
-    if len(dims) != 4:
-        raise ModelError(
-            f"input {vi.name!r} has rank {len(dims)}; etgraph trains image models [B, C, H, W]"
-        )
-    static = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in dims]
-    if override is not None:
-        if isinstance(override, str):
-            shape = parse_input_shape(override)
-        else:
-            try:
-                shape = tuple(int(d) for d in override)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"input shape {override!r} is malformed: use CxHxW") from exc
-            if len(shape) != 3 or min(shape) <= 0:
-                raise ConfigError(f"input shape {override!r} is malformed: use CxHxW")
-        if static[1] is not None and static[1] != shape[0]:
-            raise ConfigError(
-                f"input shape {shape} has {shape[0]} channels, the model expects {static[1]}"
-            )
-        return shape  # type: ignore[return-value]
-    if any(d is None for d in static[1:]):
-        raise ConfigError(
-            f"input {vi.name!r} has symbolic dims {[d or '?' for d in static]}: "
-            "pass the input shape, e.g. --input-shape 3x224x224"
-        )
-    return tuple(static[1:])  # type: ignore[return-value]
 
 
 def model_hash(model: onnx.ModelProto) -> str:

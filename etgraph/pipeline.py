@@ -24,6 +24,8 @@ import onnx
 
 from . import artifacts, graph, onnx_io, profiler, selection, timing
 from .errors import ConfigError
+from .model import LoadedModel
+from .model import input_shape as model_input_shape
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +154,8 @@ def compile_model(
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
     out = ensure_writable_dir(out_dir)
 
-    model = onnx_io.load_model(source)
-    shape = onnx_io.input_shape(model, input_shape)
+    model = LoadedModel.load(source).proto
+    shape = model_input_shape(model, input_shape)
     onnx.save(model, str(out / MODEL_FILE))
     tensors = graph.trainable_tensors(model)
     log.info("%s: %d trainable tensors, input %s", source.name, len(tensors), shape)

@@ -80,8 +80,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .artifacts import session_options
 from .errors import ConfigError, ModelError, ProfileMismatchError
+from .model import LoadedModel
+from .model import input_shape as model_input_shape
+from .sessions import session_options
 
 log = logging.getLogger(__name__)
 
@@ -705,10 +707,10 @@ def measure_selection_steps_us(
     Raises:
         ConfigError: a mask is empty or has the wrong length.
     """
-    from . import artifacts, graph, onnx_io
+    from . import artifacts, graph
 
-    model = onnx_io.load_model(model_path)
-    shape = tuple(onnx_io.input_shape(model, input_shape))
+    model = LoadedModel.load(model_path).proto
+    shape = tuple(model_input_shape(model, input_shape))
     threads = physical_cores() if threads is None else int(threads)
     step_clock(clock, threads)
     tensors = graph.trainable_tensors(model)
@@ -988,8 +990,8 @@ def profile_model(
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
     step_clock(clock, threads)
-    model = onnx_io.load_model(model_path)
-    shape = tuple(onnx_io.input_shape(model, input_shape))
+    model = LoadedModel.load(model_path).proto
+    shape = tuple(model_input_shape(model, input_shape))
     model_hash = onnx_io.model_hash(model)
 
     cache_path = None

@@ -5,7 +5,8 @@ What ``etgraph train`` runs on the device. Every ``period`` epochs (paper: 3):
 1. **importance** — first-order importance of every tensor on probe batch(es), from one AdamW
    update of all tensors in a separate session (:mod:`etgraph.importance`);
 2. **selection** — the DP of paper Eq. (3) under ``rho * t_full_us`` (the time model's full
-   step) with the profiled ``t_dw_us``/``t_dy_us`` (or a baseline strategy, see :data:`STRATEGIES`);
+   step) with the profiled ``t_dw_us``/``t_dy_us`` (or a baseline strategy, see
+   :data:`etgraph.selection.STRATEGIES`);
 3. **artifacts** for the selection (cached by selection, so a repeated selection costs nothing);
 4. **carry state** — every weight (trainable tensors, frozen tensors, BatchNorm running
    statistics) goes into the new session, and the AdamW moments of tensors that stay selected
@@ -59,13 +60,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .artifacts import ArtifactCache, ArtifactPaths, session_options
+from .artifacts import ArtifactCache, ArtifactPaths
 from .errors import CheckpointError, ConfigError, ProfileMismatchError
+from .model import LoadedModel
+from .model import input_shape as model_input_shape
+from .selection import IMPORTANCE_STRATEGIES, STRATEGIES, strategy_mask
+from .sessions import session_options
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "STRATEGIES",
     "TrainConfig",
     "CarriedState",
     "EpochRecord",
@@ -75,15 +79,11 @@ __all__ = [
     "resume",
     "read_checkpoint",
     "write_checkpoint",
-    "strategy_mask",
     "cosine_learning_rate",
     "evaluate_onnx",
     "format_summary",
 ]
 
-STRATEGIES = ("elastic", "full", "last-layer", "bn-bias", "prefix", "topk")
-#: Strategies whose selection needs fresh importance every period.
-IMPORTANCE_STRATEGIES = frozenset({"elastic", "topk"})
 
 LOG_FILE = "log.jsonl"
 CHECKPOINT_FILE = "checkpoint"
@@ -112,7 +112,7 @@ class TrainConfig:
         weight_decay: AdamW decoupled weight decay (>= 0).
         rho: requested step time as a fraction of full training's, in (0, 1].
         period: epochs between re-selections (> 0; paper: 3).
-        strategy: one of :data:`STRATEGIES`.
+        strategy: one of :data:`etgraph.selection.STRATEGIES`.
         seed: run seed (data order, probe batches, train/val split).
         data: dataset spec for :func:`etgraph.data.load_dataset` (None = embedded digits task).
         val_fraction: fraction of each class held out for validation.
@@ -437,71 +437,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Strategies
-
-
-def strategy_mask(
-    strategy: str,
-    tensors: Sequence,
-    profile,
-    rho: float,
-    importance: np.ndarray | None,
-    *,
-    resolution: int | None = None,
-) -> np.ndarray:
-    """Selection mask (bool [N], forward order) of ``strategy`` for this period.
-
-    Args:
-        strategy: one of :data:`STRATEGIES`.
-        tensors: ``graph.trainable_tensors(model)`` (``TensorInfo`` with ``kind`` and ``layer``).
-        profile: :class:`etgraph.profiler.Profile` (``t_dw_us``, ``t_dy_us``, ``forward_us``,
-            ``full_step_us``).
-        rho: requested step-time ratio in (0, 1] (budgeted strategies only).
-        importance: float [N] (``elastic`` and ``topk``; ignored otherwise).
-        resolution: DP time resolution (``elastic``).
-
-    Returns:
-        bool [N]. ``full``, ``last-layer`` and ``bn-bias`` ignore ``rho``; ``elastic`` (paper
-        Eq. 3 DP), ``topk`` and ``prefix`` select under ``rho * t_full_us``.
-
-    Raises:
-        InfeasibleBudgetError: ``rho`` is below what the forward pass (plus the cheapest
-            tensor) costs; the message gives the smallest feasible rho.
-        ConfigError: unknown strategy.
-    """
-    from . import selection, timing
-
-    n = len(tensors)
-    if strategy == "full":
-        return np.ones(n, dtype=bool)
-    last_layer = tensors[-1].layer
-    if strategy == "last-layer":
-        return np.array([t.layer == last_layer for t in tensors], dtype=bool)
-    if strategy == "bn-bias":
-        return np.array(
-            [t.kind in ("gamma", "beta", "bias") or t.layer == last_layer for t in tensors],
-            dtype=bool,
-        )
-    budget = timing.budget_us(rho, profile.forward_us, profile.t_full_us)
-    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.t_full_us)
-    if strategy == "elastic":
-        chosen = selection.select_tensors(
-            profile.t_dw_us, profile.t_dy_us, importance, budget, resolution=resolution, **kwargs
-        )
-    elif strategy == "topk":
-        chosen = selection.select_topk(
-            profile.t_dw_us, profile.t_dy_us, importance, budget, **kwargs
-        )
-    elif strategy == "prefix":
-        chosen = selection.select_prefix(
-            profile.t_dw_us, profile.t_dy_us, np.ones(n), budget, **kwargs
-        )
-    else:
-        raise ConfigError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    return np.asarray(chosen.mask, dtype=bool).copy()
-
-
-# ---------------------------------------------------------------------------------------------
 # One ORT training session (one selection)
 
 
@@ -719,8 +654,8 @@ class _Run:
         self.out = out_dir
         self.progress = progress
         self.model_path = model_path
-        self.model = onnx_io.load_model(model_path)
-        self.input_shape = tuple(onnx_io.input_shape(self.model, tuple(profile.input_shape)))
+        self.model = LoadedModel.load(model_path).proto
+        self.input_shape = tuple(model_input_shape(self.model, tuple(profile.input_shape)))
         self.tensors = graph.trainable_tensors(self.model)
         self.names = [t.name for t in self.tensors]
         self.running_stats = list(graph.running_statistics(self.model))

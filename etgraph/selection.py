@@ -28,12 +28,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from etgraph import timing
 from etgraph.errors import ConfigError, InfeasibleBudgetError
-from etgraph.timing import _timings, backward_us, min_feasible_backward_us, single_tensor_costs_us
+from etgraph.timing import (
+    _timings,
+    backward_us,
+    min_feasible_backward_us,
+    single_tensor_costs_us,
+)
 
 __all__ = [
     "Selection",
@@ -42,9 +49,17 @@ __all__ = [
     "select_topk",
     "select_prefix",
     "MAX_TABLE_UNITS",
+    "STRATEGIES",
+    "IMPORTANCE_STRATEGIES",
+    "strategy_mask",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Selection strategies of the runtime: the DP (``elastic``) and the baselines.
+STRATEGIES = ("elastic", "full", "last-layer", "bn-bias", "prefix", "topk")
+#: Strategies whose selection needs fresh importance every period.
+IMPORTANCE_STRATEGIES = frozenset({"elastic", "topk"})
 
 #: Largest DP table (budget in time units) the solvers accept; beyond it pass ``resolution``.
 MAX_TABLE_UNITS = 1 << 26
@@ -488,3 +503,62 @@ def select_prefix(
     mask = np.zeros(t_dw.size, dtype=bool)
     mask[int(fits[0]) :] = True
     return _result(mask, imp, t_dw, t_dy, "prefix")
+
+
+# --------------------------------------------------------------------------------------------
+# Strategies: the elastic DP and the baselines the runtime compares it with.
+
+
+def strategy_mask(
+    strategy: str,
+    tensors: Sequence,
+    profile,
+    rho: float,
+    importance: np.ndarray | None,
+    *,
+    resolution: int | None = None,
+) -> np.ndarray:
+    """Selection mask (bool [N], forward order) of ``strategy`` for this period.
+
+    Args:
+        strategy: one of :data:`STRATEGIES`.
+        tensors: ``graph.trainable_tensors(model)`` (``TensorInfo`` with ``kind`` and ``layer``).
+        profile: :class:`etgraph.profiler.Profile` (``t_dw_us``, ``t_dy_us``, ``forward_us``,
+            ``full_step_us``).
+        rho: requested step-time ratio in (0, 1] (budgeted strategies only).
+        importance: float [N] (``elastic`` and ``topk``; ignored otherwise).
+        resolution: DP time resolution (``elastic``).
+
+    Returns:
+        bool [N]. ``full``, ``last-layer`` and ``bn-bias`` ignore ``rho``; ``elastic`` (paper
+        Eq. 3 DP), ``topk`` and ``prefix`` select under ``rho * t_full_us``.
+
+    Raises:
+        InfeasibleBudgetError: ``rho`` is below what the forward pass (plus the cheapest
+            tensor) costs; the message gives the smallest feasible rho.
+        ConfigError: unknown strategy.
+    """
+    n = len(tensors)
+    if strategy == "full":
+        return np.ones(n, dtype=bool)
+    last_layer = tensors[-1].layer
+    if strategy == "last-layer":
+        return np.array([t.layer == last_layer for t in tensors], dtype=bool)
+    if strategy == "bn-bias":
+        return np.array(
+            [t.kind in ("gamma", "beta", "bias") or t.layer == last_layer for t in tensors],
+            dtype=bool,
+        )
+    budget = timing.budget_us(rho, profile.forward_us, profile.t_full_us)
+    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.t_full_us)
+    if strategy == "elastic":
+        chosen = select_tensors(
+            profile.t_dw_us, profile.t_dy_us, importance, budget, resolution=resolution, **kwargs
+        )
+    elif strategy == "topk":
+        chosen = select_topk(profile.t_dw_us, profile.t_dy_us, importance, budget, **kwargs)
+    elif strategy == "prefix":
+        chosen = select_prefix(profile.t_dw_us, profile.t_dy_us, np.ones(n), budget, **kwargs)
+    else:
+        raise ConfigError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    return np.asarray(chosen.mask, dtype=bool).copy()

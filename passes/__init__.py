@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import networkx as nx
+
+from etgraph.ops import DEFAULT_RULE, OP_RULES, OpRule, op_rule
 
 log = logging.getLogger(__name__)
 
@@ -73,140 +75,6 @@ def op_nodes(graph: nx.DiGraph, role: str | None = None) -> list[str]:
         for n, a in graph.nodes(data=True)
         if a.get("node_type") == "op" and (role is None or a.get("role") == role)
     ]
-
-
-# ---- the op-type registry ----
-
-
-@dataclass(frozen=True)
-class OpRule:
-    """What the compiler knows about one ONNX op type.
-
-    Attributes:
-        family: ``"conv_dense"`` (§5.1 layers), ``"norm"`` (§5.2/§5.4 layers), ``"non_trainable"``
-            (§5.3), ``"accumulate"`` (ORT gradient accumulators), ``"loss"``.
-        weight_slots: input index -> tensor kind for initializers found at that input
-            (e.g. Conv ``{1: "kernel", 2: "bias"}``).
-        stat_slots: input indices holding running statistics (BN mean/var; frozen, not trained).
-        nondiff_slots: input indices that carry no gradient (shapes, axes, indices, ratios).
-        differentiable: False for ops none of whose outputs carry a gradient (Shape, Equal, ...).
-        fused_grad: for backward op types: output index -> part of a fused multi-output gradient
-            kernel (``"dx"``, ``"dw"``, ``"db"``), split by measurement (ConvGrad).
-        norm_grad: True for a normalisation layer's backward op (charged whole to beta's t_dy).
-    """
-
-    family: str = "non_trainable"
-    weight_slots: Mapping[int, str] = field(default_factory=dict)
-    stat_slots: tuple[int, ...] = ()
-    nondiff_slots: tuple[int, ...] = ()
-    differentiable: bool = True
-    fused_grad: Mapping[int, str] = field(default_factory=dict)
-    norm_grad: bool = False
-
-
-DEFAULT_RULE = OpRule()
-
-_CONV = OpRule("conv_dense", {1: "kernel", 2: "bias"})
-_NORM = OpRule("norm", {1: "gamma", 2: "beta"})
-_NO_GRAD = OpRule(differentiable=False)
-_REDUCE = OpRule(nondiff_slots=(1,))
-
-OP_RULES: dict[str, OpRule] = {
-    # forward layers with trainable tensors
-    "Conv": _CONV,
-    "ConvTranspose": _CONV,
-    "Gemm": OpRule("conv_dense", {0: "kernel", 1: "kernel", 2: "bias"}),
-    "MatMul": OpRule("conv_dense", {0: "kernel", 1: "kernel"}),
-    "BatchNormalization": OpRule("norm", {1: "gamma", 2: "beta"}, stat_slots=(3, 4)),
-    "BatchNormInternal": OpRule("norm", {1: "gamma", 2: "beta"}, stat_slots=(3, 4)),
-    "LayerNormalization": _NORM,
-    "SimplifiedLayerNormalization": OpRule("norm", {1: "gamma"}),
-    "GroupNormalization": _NORM,
-    "InstanceNormalization": _NORM,
-    "Gather": OpRule(weight_slots={0: "embedding"}, nondiff_slots=(1,)),
-    # backward ops of onnxruntime-training (com.microsoft) that need a rule
-    "ConvGrad": OpRule("conv_dense", fused_grad={0: "dx", 1: "dw", 2: "db"}),
-    "ConvTransposeGrad": OpRule("conv_dense", fused_grad={0: "dx", 1: "dw", 2: "db"}),
-    "BatchNormalizationGrad": OpRule("norm", norm_grad=True),
-    "LayerNormalizationGrad": OpRule("norm", norm_grad=True),
-    "SimplifiedLayerNormalizationGrad": OpRule("norm", norm_grad=True),
-    "InvertibleLayerNormalizationGrad": OpRule("norm", norm_grad=True),
-    "InPlaceAccumulatorV2": OpRule("accumulate"),
-    "InPlaceAccumulator": OpRule("accumulate"),
-    "SoftmaxCrossEntropyLoss": OpRule("loss", nondiff_slots=(1, 2)),
-    # inputs that carry no gradient
-    "Reshape": OpRule(nondiff_slots=(1,)),
-    "Expand": OpRule(nondiff_slots=(1,)),
-    "Tile": OpRule(nondiff_slots=(1,)),
-    "Slice": OpRule(nondiff_slots=(1, 2, 3, 4)),
-    "GatherElements": OpRule(nondiff_slots=(1,)),
-    "GatherND": OpRule(nondiff_slots=(1,)),
-    "ScatterND": OpRule(nondiff_slots=(1,)),
-    "ScatterElements": OpRule(nondiff_slots=(1,)),
-    "Pad": OpRule(nondiff_slots=(1, 2, 3)),
-    "Resize": OpRule(nondiff_slots=(1, 2, 3)),
-    "Upsample": OpRule(nondiff_slots=(1,)),
-    "Split": OpRule(nondiff_slots=(1,)),
-    "Squeeze": OpRule(nondiff_slots=(1,)),
-    "Unsqueeze": OpRule(nondiff_slots=(1,)),
-    "ReduceMean": _REDUCE,
-    "ReduceSum": _REDUCE,
-    "ReduceMax": _REDUCE,
-    "ReduceMin": _REDUCE,
-    "ReduceProd": _REDUCE,
-    "ReduceL2": _REDUCE,
-    "ReduceLogSumExp": _REDUCE,
-    "Clip": OpRule(nondiff_slots=(1, 2)),
-    "Dropout": OpRule(nondiff_slots=(1, 2)),
-    "Where": OpRule(nondiff_slots=(0,)),
-    "TopK": OpRule(nondiff_slots=(1,)),
-    "CumSum": OpRule(nondiff_slots=(1,)),
-    "Trilu": OpRule(nondiff_slots=(1,)),
-    "Pow": OpRule(nondiff_slots=(1,)),
-    # ops whose outputs carry no gradient at all
-    **{
-        op: _NO_GRAD
-        for op in (
-            "Shape",
-            "Size",
-            "ConstantOfShape",
-            "Constant",
-            "Range",
-            "NonZero",
-            "ArgMax",
-            "ArgMin",
-            "Equal",
-            "Less",
-            "Greater",
-            "LessOrEqual",
-            "GreaterOrEqual",
-            "Not",
-            "And",
-            "Or",
-            "Xor",
-            "IsNaN",
-            "IsInf",
-            "Floor",
-            "Ceil",
-            "Round",
-            "Sign",
-            "Mod",
-            "OneHot",
-            "EyeLike",
-            "RandomNormal",
-            "RandomUniform",
-            "RandomNormalLike",
-            "RandomUniformLike",
-            "Bernoulli",
-            "Multinomial",
-        )
-    },
-}
-
-
-def op_rule(op_type: str) -> OpRule:
-    """The registry entry for ``op_type`` (:data:`DEFAULT_RULE` when unknown)."""
-    return OP_RULES.get(op_type, DEFAULT_RULE)
 
 
 # ---- the pass contract ----

@@ -37,13 +37,14 @@ WORKER = textwrap.dedent(
 
     def handle(req):
         from etgraph import graph, onnx_io
+        from etgraph import model as model_spec
         if req["full"]:
             from etgraph.pipeline import compile_model
             compile_model(req["model"], req["out"], rho=1.0, repeats=1,
                           input_shape=req["input_shape"], cache_dir=req["cache"])
             return
         model = onnx_io.load_model(req["model"])
-        onnx_io.input_shape(model, req["input_shape"])
+        model_spec.input_shape(model, req["input_shape"])
         graph.build_tensor_graph(model)
 
     for line in sys.stdin:

@@ -7,6 +7,7 @@ import pytest
 from onnx import numpy_helper
 
 from etgraph import graph, onnx_io
+from etgraph import model as model_spec
 from etgraph.artifacts import ArtifactCache
 from etgraph.errors import ConfigError
 from etgraph.importance import ImportanceEvaluator, tensor_importance
@@ -67,7 +68,7 @@ def setup(tmp_path_factory, default_model_path):
     }
     cache = ArtifactCache(tmp_path_factory.mktemp("importance-artifacts"))
     evaluator = ImportanceEvaluator(model, names, stats, cache, weight_decay=WEIGHT_DECAY)
-    dataset = load_dataset(None, input_shape=onnx_io.input_shape(model))
+    dataset = load_dataset(None, input_shape=model_spec.input_shape(model))
     batch = dataset.probe_batch(4, seed=3)
     return evaluator, names, stats, weights, batch
 

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import pytest
 
+from etgraph import model as model_spec
 from etgraph.artifacts import ARTIFACT_FILES, ArtifactPaths
 from etgraph.runtime import RUN_PROPERTY, TrainConfig, read_checkpoint, resume, train
 
@@ -124,7 +125,7 @@ def synthetic_profile(tmp_path_factory, default_model_path):
         forward_us=1000.0,
         full_step_us=1000.0 + 100.0 * n,
         batch_size=4,
-        input_shape=onnx_io.input_shape(model),
+        input_shape=model_spec.input_shape(model),
         threads=1,
         ort_version=onnxruntime.__version__,
         host="synthetic",

@@ -9,7 +9,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
-from etgraph.onnx_io import input_shape, load_model, model_hash, parse_input_shape
+from etgraph.model import LoadedModel, input_shape, parse_input_shape
+from etgraph.onnx_io import load_model, model_hash
 
 
 def _init(name: str, shape, seed: int = 0) -> onnx.TensorProto:
@@ -96,7 +97,7 @@ def test_no_trainable_initializers(tmp_path):
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
     with pytest.raises(ModelError, match="no trainable tensors"):
-        load_model(save(make_model(nodes, [], out_shape=(1, 3)), tmp_path))
+        LoadedModel.load(save(make_model(nodes, [], out_shape=(1, 3)), tmp_path))
 
 
 def test_two_inputs_refused(tmp_path):

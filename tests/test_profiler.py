@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from etgraph import graph, onnx_io, timing
+from etgraph import model as model_spec
 from etgraph.errors import ConfigError, ProfileMismatchError
 from etgraph.profiler import (
     OptimizerFit,
@@ -151,7 +152,7 @@ def test_profile_has_one_timing_per_trainable_tensor(which, request):
     assert np.all(prof.t_dw_us[kernels] > 0)
     assert prof.t_dy_us.sum() > 0
     assert prof.forward_us > 0 and prof.full_step_us > 0
-    assert prof.batch_size == 4 and prof.input_shape == onnx_io.input_shape(model)
+    assert prof.batch_size == 4 and prof.input_shape == model_spec.input_shape(model)
     assert prof.threads == THREADS and prof.ort_version.startswith("1.19")
     assert prof.model_hash == onnx_io.model_hash(model)
 
@@ -324,7 +325,7 @@ def test_sessions_do_not_spin():
     """Every ORT session etgraph opens turns thread-pool spinning off: with it on, an idle
     session's threads busy-wait and slow whichever session runs next (README, "Thread-pool
     spinning"), and profiles stop predicting training."""
-    from etgraph.artifacts import session_options
+    from etgraph.sessions import session_options
 
     for threads, prefix in ((None, None), (2, "trace")):
         so = session_options(threads, prefix)

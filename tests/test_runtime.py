@@ -15,6 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 from etgraph import graph, onnx_io
+from etgraph import model as model_spec
 from etgraph.artifacts import ArtifactCache
 from etgraph.errors import CheckpointError, ConfigError, InfeasibleBudgetError
 from etgraph.runtime import (
@@ -25,10 +26,10 @@ from etgraph.runtime import (
     evaluate_onnx,
     read_checkpoint,
     resume,
-    strategy_mask,
     train,
     write_checkpoint,
 )
+from etgraph.selection import strategy_mask
 
 QUICK = dict(max_steps_per_epoch=8, max_val_batches=12)
 
@@ -127,7 +128,7 @@ def test_state_carried_exactly_across_reselection(tmp_path, default_model):
     model, tensors, stats, initial = default_model
     n = len(tensors)
     cache = ArtifactCache(tmp_path / "artifacts")
-    data = load_dataset(None, input_shape=onnx_io.input_shape(model))
+    data = load_dataset(None, input_shape=model_spec.input_shape(model))
     sel_a = list(range(n - 6, n))  # the last 6 tensors
     sel_b = [0, 1] + list(range(n - 3, n))  # 2 new at the input, 3 kept at the output
     session_a, train_a = _session(

@@ -1,0 +1,80 @@
+"""Facts about the device etgraph runs on, and this process's memory.
+
+* :func:`physical_cores`, :func:`host_description` — recorded with every profile.
+* :func:`reset_peak_rss`, :func:`peak_rss_mb` — peak resident memory per period (Linux).
+* :func:`release_native_memory` — hand freed native heap back to the OS after a re-selection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import resource
+from pathlib import Path
+
+__all__ = [
+    "host_description",
+    "peak_rss_mb",
+    "physical_cores",
+    "release_native_memory",
+    "reset_peak_rss",
+]
+
+
+def physical_cores() -> int:
+    """Number of physical CPU cores (distinct (package, core) pairs in sysfs; else cpu_count)."""
+    cores = set()
+    for topo in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        try:
+            cores.add(((topo / "physical_package_id").read_text(), (topo / "core_id").read_text()))
+        except OSError:
+            continue
+    return len(cores) or os.cpu_count() or 1
+
+
+def host_description() -> str:
+    """``hostname (machine, CPU model)`` of this host."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()} ({platform.machine()}, {cpu})"
+
+
+def release_native_memory() -> None:
+    """Return freed native heap to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Rebuilding ORT sessions every period (importance, re-selection) frees and re-allocates
+    hundreds of buffers; glibc keeps the freed pages, so RSS creeps up by ~10% over 12
+    re-selections on the default model, then plateaus. Trimming after each re-selection keeps
+    RSS flat (measured: 326 MiB after 1 and after 40 importance evaluations). Afterwards every
+    large new array page-faults: keep whole-tensor temporaries out of per-period code.
+    """
+    # No gc.collect(): sessions are freed by reference counting, and a full collection costs
+    # ~0.2 s once torch is imported (onnxruntime.training imports it); malloc_trim costs ~1-6 ms.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's peak RSS counter (Linux ``clear_refs``), if allowed."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size (MiB) since the last :func:`reset_peak_rss` (Linux ``VmHWM``;
+    elsewhere the process's lifetime peak)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -1,0 +1,249 @@
+"""The op registry: what etgraph knows about each ONNX op type, in one table.
+
+For every op type, :data:`OP_RULES` says
+
+* how its backward work is charged (``family``, ``weight_slots``, ``fused_grad``, ``norm_grad``;
+  the charging passes in :mod:`passes` read nothing else), which inputs carry no gradient
+  (``nondiff_slots``) and where running statistics sit (``stat_slots``);
+* whether onnxruntime-training 1.19.2 can differentiate it (``gradient``): ``True``;
+  ``"rewrite"`` — no gradient builder, but the legalisation pipeline rewrites it into ops that
+  have one (:mod:`passes.onnx.rewrite_no_grad_ops`); or ``False`` — refused on the data path with
+  ``fix`` in the one-line error.
+
+Unknown op types get :data:`DEFAULT_RULE`: a non-trainable layer (paper §5.3) whose inputs all
+carry a gradient, differentiable by ORT. Lookups are by op type, never by node or layer names.
+
+:func:`data_path_values` (which values of an ONNX graph can carry a gradient) is the one
+registry-driven analysis of an ONNX graph; the importer and the legalisation passes share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import onnx
+
+__all__ = [
+    "DEFAULT_RULE",
+    "FLOAT_TYPES",
+    "OP_RULES",
+    "OpRule",
+    "data_path_values",
+    "is_default_domain",
+    "no_gradient_ops",
+    "op_rule",
+]
+
+#: ONNX tensor element types that hold trainable weights.
+FLOAT_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.BFLOAT16,
+    }
+)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """What etgraph knows about one ONNX op type.
+
+    Attributes:
+        family: ``"conv_dense"`` (§5.1 layers), ``"norm"`` (§5.2/§5.4 layers), ``"non_trainable"``
+            (§5.3), ``"accumulate"`` (ORT gradient accumulators), ``"loss"``.
+        weight_slots: input index -> tensor kind for initializers found at that input
+            (e.g. Conv ``{1: "kernel", 2: "bias"}``).
+        stat_slots: input indices holding running statistics (BN mean/var; frozen, not trained).
+        nondiff_slots: input indices that carry no gradient (shapes, axes, indices, ratios).
+        differentiable: False for ops none of whose outputs carry a gradient (Shape, Equal, ...).
+        fused_grad: for backward op types: output index -> part of a fused multi-output gradient
+            kernel (``"dx"``, ``"dw"``, ``"db"``), split by measurement (ConvGrad).
+        norm_grad: True for a normalisation layer's backward op (charged whole to beta's t_dy).
+        gradient: whether onnxruntime-training 1.19.2 has a gradient builder for the op:
+            True, ``"rewrite"`` (none, but rewritten by the legalisation pipeline) or False.
+        fix: for ``gradient`` False or ``"rewrite"``: what to do about the op, as said in errors.
+    """
+
+    family: str = "non_trainable"
+    weight_slots: Mapping[int, str] = field(default_factory=dict)
+    stat_slots: tuple[int, ...] = ()
+    nondiff_slots: tuple[int, ...] = ()
+    differentiable: bool = True
+    fused_grad: Mapping[int, str] = field(default_factory=dict)
+    norm_grad: bool = False
+    gradient: bool | str = True
+    fix: str = ""
+
+
+DEFAULT_RULE = OpRule()
+
+_CONV = OpRule("conv_dense", {1: "kernel", 2: "bias"})
+_NO_GRAD = OpRule(differentiable=False)
+_REDUCE = OpRule(nondiff_slots=(1,))
+
+OP_RULES: dict[str, OpRule] = {
+    # forward layers with trainable tensors
+    "Conv": _CONV,
+    "ConvTranspose": _CONV,
+    "Gemm": OpRule("conv_dense", {0: "kernel", 1: "kernel", 2: "bias"}),
+    "MatMul": OpRule("conv_dense", {0: "kernel", 1: "kernel"}),
+    "BatchNormalization": OpRule("norm", {1: "gamma", 2: "beta"}, stat_slots=(3, 4)),
+    "BatchNormInternal": OpRule("norm", {1: "gamma", 2: "beta"}, stat_slots=(3, 4)),
+    "LayerNormalization": OpRule("norm", {1: "gamma", 2: "beta"}),
+    "SimplifiedLayerNormalization": OpRule("norm", {1: "gamma"}),
+    # No gradient builder in ORT 1.19.2: refused on the data path. Their charging rule stays so
+    # a model that uses them off the data path (or a later backend) still builds a graph.
+    "GroupNormalization": OpRule(
+        "norm",
+        {1: "gamma", 2: "beta"},
+        gradient=False,
+        fix="decompose it into Reshape + ReduceMean/Sub/Mul/Sqrt/Div + Mul/Add",
+    ),
+    "InstanceNormalization": OpRule(
+        "norm",
+        {1: "gamma", 2: "beta"},
+        gradient=False,
+        fix="decompose it into ReduceMean/Sub/Mul/Sqrt/Div",
+    ),
+    "Gather": OpRule(weight_slots={0: "embedding"}, nondiff_slots=(1,)),
+    # backward ops of onnxruntime-training (com.microsoft) that need a rule
+    "ConvGrad": OpRule("conv_dense", fused_grad={0: "dx", 1: "dw", 2: "db"}),
+    "ConvTransposeGrad": OpRule("conv_dense", fused_grad={0: "dx", 1: "dw", 2: "db"}),
+    "BatchNormalizationGrad": OpRule("norm", norm_grad=True),
+    "LayerNormalizationGrad": OpRule("norm", norm_grad=True),
+    "SimplifiedLayerNormalizationGrad": OpRule("norm", norm_grad=True),
+    "InvertibleLayerNormalizationGrad": OpRule("norm", norm_grad=True),
+    "InPlaceAccumulatorV2": OpRule("accumulate"),
+    "InPlaceAccumulator": OpRule("accumulate"),
+    "SoftmaxCrossEntropyLoss": OpRule("loss", nondiff_slots=(1, 2)),
+    # inputs that carry no gradient
+    "Reshape": OpRule(nondiff_slots=(1,)),
+    "Expand": OpRule(nondiff_slots=(1,)),
+    "Tile": OpRule(nondiff_slots=(1,)),
+    "Slice": OpRule(nondiff_slots=(1, 2, 3, 4)),
+    "GatherElements": OpRule(nondiff_slots=(1,)),
+    "GatherND": OpRule(nondiff_slots=(1,)),
+    "ScatterND": OpRule(nondiff_slots=(1,)),
+    "ScatterElements": OpRule(nondiff_slots=(1,)),
+    "Pad": OpRule(nondiff_slots=(1, 2, 3)),
+    "Resize": OpRule(nondiff_slots=(1, 2, 3)),
+    "Upsample": OpRule(nondiff_slots=(1,)),
+    "Split": OpRule(nondiff_slots=(1,)),
+    "Squeeze": OpRule(nondiff_slots=(1,)),
+    "Unsqueeze": OpRule(nondiff_slots=(1,)),
+    "ReduceMean": _REDUCE,
+    "ReduceSum": _REDUCE,
+    "ReduceMax": OpRule(
+        nondiff_slots=(1,),
+        gradient=False,
+        fix="replace it by MaxPool, or avoid it on the trained path",
+    ),
+    "ReduceMin": _REDUCE,
+    "ReduceProd": _REDUCE,
+    "ReduceL2": _REDUCE,
+    "ReduceLogSumExp": _REDUCE,
+    "Clip": OpRule(nondiff_slots=(1, 2)),
+    "Dropout": OpRule(nondiff_slots=(1, 2)),
+    "Where": OpRule(nondiff_slots=(0,)),
+    "TopK": OpRule(nondiff_slots=(1,)),
+    "CumSum": OpRule(
+        nondiff_slots=(1,),
+        gradient=False,
+        fix="replace it by a MatMul with a triangular constant",
+    ),
+    "Trilu": OpRule(nondiff_slots=(1,)),
+    "Pow": OpRule(nondiff_slots=(1,)),
+    # no gradient builder in ORT 1.19.2, rewritten by the legalisation pipeline
+    "HardSwish": OpRule(gradient="rewrite", fix="rewrite as x * clip(x + 3, 0, 6) / 6"),
+    "HardSigmoid": OpRule(gradient="rewrite", fix="rewrite as clip(alpha*x + beta, 0, 1)"),
+    "Sum": OpRule(gradient="rewrite", fix="replace it by a chain of Add"),
+    # no gradient builder in ORT 1.19.2, refused on the data path
+    "GlobalMaxPool": OpRule(
+        gradient=False, fix="replace it by MaxPool with kernel_shape = the spatial size"
+    ),
+    "Softplus": OpRule(gradient=False, fix="rewrite as log(1 + exp(x))"),
+    "Atan": OpRule(gradient=False, fix="remove it from the trained path"),
+    # ops whose outputs carry no gradient at all
+    **{
+        op: _NO_GRAD
+        for op in (
+            "Shape",
+            "Size",
+            "ConstantOfShape",
+            "Constant",
+            "Range",
+            "NonZero",
+            "ArgMax",
+            "ArgMin",
+            "Equal",
+            "Less",
+            "Greater",
+            "LessOrEqual",
+            "GreaterOrEqual",
+            "Not",
+            "And",
+            "Or",
+            "Xor",
+            "IsNaN",
+            "IsInf",
+            "Floor",
+            "Ceil",
+            "Round",
+            "Sign",
+            "Mod",
+            "OneHot",
+            "EyeLike",
+            "RandomNormal",
+            "RandomUniform",
+            "RandomNormalLike",
+            "RandomUniformLike",
+            "Bernoulli",
+            "Multinomial",
+        )
+    },
+}
+
+
+def op_rule(op_type: str) -> OpRule:
+    """The registry entry for ``op_type`` (:data:`DEFAULT_RULE` when unknown)."""
+    return OP_RULES.get(op_type, DEFAULT_RULE)
+
+
+def no_gradient_ops() -> dict[str, OpRule]:
+    """Op types without a gradient builder in ORT 1.19.2 (``gradient`` False or ``"rewrite"``)."""
+    return {op: rule for op, rule in OP_RULES.items() if rule.gradient is not True}
+
+
+def is_default_domain(node: onnx.NodeProto) -> bool:
+    """True for a node of the default ONNX domain (``""`` or ``"ai.onnx"``)."""
+    return node.domain in ("", "ai.onnx")
+
+
+def data_path_values(graph: onnx.GraphProto, *, from_initializers: bool = True) -> set[str]:
+    """Values that can carry a gradient in ``graph`` (node order must be topological).
+
+    A value carries a gradient when it is reachable from a graph input that is not an
+    initializer (and, with ``from_initializers``, from a float initializer) through the
+    differentiable inputs of differentiable ops (:data:`OP_RULES`); a Cast to a non-float type
+    stops it. The seeds themselves are included.
+
+    Returns:
+        The set of value names.
+    """
+    init_names = {x.name for x in graph.initializer}
+    carrying = {i.name for i in graph.input if i.name not in init_names}
+    if from_initializers:
+        carrying |= {i.name for i in graph.initializer if i.data_type in FLOAT_TYPES}
+    for node in graph.node:
+        rule = op_rule(node.op_type)
+        if not rule.differentiable:
+            continue
+        if node.op_type == "Cast":
+            to = next((a.i for a in node.attribute if a.name == "to"), onnx.TensorProto.FLOAT)
+            if to not in FLOAT_TYPES:
+                continue
+        if any(v in carrying for i, v in enumerate(node.input) if i not in rule.nondiff_slots):
+            carrying.update(o for o in node.output if o)
+    return carrying

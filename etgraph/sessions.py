@@ -1,0 +1,244 @@
+"""Every ONNX Runtime session etgraph opens, in one place (the seam for a later backend).
+
+* :func:`session_options` — the options of every session (profiling, training, importance).
+* :class:`TrainingSession` — ORT training ``Module`` + ``Optimizer`` for one selection, started
+  from a checkpoint: the training loop, the profiler's real steps and ``measure`` use it.
+* :class:`GradientSession` — a ``Module`` without optimizer whose parameters are overwritten
+  before each use: importance evaluation reads gradients from it.
+* :func:`inference_session` — a plain ``onnxruntime.InferenceSession`` (profiled training graphs,
+  the optimizer model, exported inference models).
+* :func:`evaluate_onnx` — loss and accuracy of an exported inference model.
+
+``onnxruntime.training`` imports torch (1-4 s); it is imported when a training session is first
+opened, so commands that open none (``inspect``, ``--version``) do not pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .files import atomic_target
+
+__all__ = [
+    "GradientSession",
+    "TrainingSession",
+    "evaluate_onnx",
+    "inference_session",
+    "session_options",
+    "softmax_cross_entropy",
+]
+
+
+def session_options(threads: int | None, profile_prefix: str | None = None) -> ort.SessionOptions:
+    """``onnxruntime.SessionOptions`` for every ORT session etgraph opens (profiling, training,
+    importance), so that what the profile measures is what training runs.
+
+    Sequential execution, ``threads`` intra-op threads (None = ORT's default, one per core), and
+    no spinning: with spinning allowed, an idle session's pool threads busy-wait after each run
+    and take the cores from the session that runs next. Measured on 2 cores (default model,
+    three training sessions stepped round-robin): steps 1.6-2.8x slower than each alone with
+    spinning, within 5% without (README, "Thread-pool spinning").
+
+    Args:
+        threads: intra-op threads, or None.
+        profile_prefix: turn on ORT's per-node profiling, trace files named by this prefix.
+    """
+    so = ort.SessionOptions()
+    if threads is not None:
+        so.intra_op_num_threads = int(threads)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Errors come back as exceptions; native log lines would break the one-line CLI errors.
+    so.log_severity_level = 4
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+def inference_session(
+    model: str | os.PathLike | bytes, options: ort.SessionOptions | None = None
+) -> ort.InferenceSession:
+    """A plain CPU ``InferenceSession`` of ``model`` (path or serialized bytes)."""
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _training_api():
+    from onnxruntime.training import api  # imports torch: only when a training session opens
+
+    return api
+
+
+def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
+    """Sum of cross-entropy losses and number of correct argmax predictions.
+
+    Args:
+        logits: float [B, K]. labels: int [B] in [0, K).
+    """
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    loss = -float(log_p[np.arange(labels.size), labels].sum())
+    return loss, int((logits.argmax(axis=1) == labels).sum())
+
+
+def _padded(x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pad a short batch to ``batch_size`` by repeating its last example (fixed-batch models)."""
+    short = batch_size - x.shape[0]
+    if short <= 0:
+        return x, y
+    return (
+        np.concatenate([x, np.repeat(x[-1:], short, axis=0)]),
+        np.concatenate([y, np.repeat(y[-1:], short)]),
+    )
+
+
+class TrainingSession:
+    """ORT training ``Module`` + ``Optimizer`` for one selection, started from a checkpoint.
+
+    Args:
+        directory: artifact directory (``training_model.onnx``, ``eval_model.onnx``,
+            ``optimizer_model.onnx``; :class:`etgraph.artifacts.ArtifactPaths`).
+        checkpoint: ORT checkpoint whose trainable parameters are exactly the artifacts'
+            ``requires_grad`` (:func:`etgraph.checkpoint.write_checkpoint`, or the artifacts' own);
+            its weights, moments and step are loaded.
+        threads: ORT intra-op threads (None = ORT's default).
+
+    Raises:
+        RuntimeError: ORT cannot load the artifacts or the checkpoint.
+    """
+
+    def __init__(self, directory: str | os.PathLike, checkpoint: str | os.PathLike, threads):
+        api = _training_api()
+        d = Path(directory)
+        self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
+        self.module = api.Module(
+            str(d / "training_model.onnx"),
+            self.state,
+            str(d / "eval_model.onnx"),
+            session_options=session_options(threads),
+        )
+        self.optimizer = api.Optimizer(str(d / "optimizer_model.onnx"), self.module)
+        self.module.train()
+        self.fresh = True  # no step taken yet (the first step pays one-off allocations)
+
+    def step(self, x: np.ndarray, y: np.ndarray):
+        """One training step at the optimizer's current learning rate: forward, backward,
+        AdamW update, gradient reset. Returns the Module's outputs ``(loss, logits)``."""
+        out = self.module(x, y)
+        self.optimizer.step()
+        self.module.lazy_reset_grad()
+        return out
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, learning_rate: float) -> tuple[float, int]:
+        """One step at ``learning_rate``; returns (mean loss, correct predictions)."""
+        self.optimizer.set_learning_rate(learning_rate)
+        loss, logits = self.step(x, y)
+        return float(loss), int((logits.argmax(axis=1) == y).sum())
+
+    def evaluate(self, batches, batch_size: int) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy over ``batches`` with the eval model."""
+        self.module.eval()
+        total_loss, correct, count = 0.0, 0, 0
+        try:
+            for x, y in batches:
+                b = x.shape[0]
+                xp, yp = _padded(x, y, batch_size)
+                _, logits = self.module(xp, yp)
+                loss, right = softmax_cross_entropy(logits[:b], y)
+                total_loss, correct, count = total_loss + loss, correct + right, count + b
+        finally:
+            self.module.train()
+        return total_loss / max(count, 1), correct / max(count, 1)
+
+    def save(self, path: str | os.PathLike, properties: Mapping[str, str]) -> None:
+        """Save weights + optimizer state + string properties to ``path`` atomically."""
+        for key, value in properties.items():
+            self.state.properties[key] = value
+        with atomic_target(path) as tmp:
+            _training_api().CheckpointState.save_checkpoint(
+                self.state, str(tmp), include_optimizer_state=True
+            )
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Copies of every parameter's current value, by name."""
+        return {name: p.data.copy() for name, p in self.state.parameters}
+
+    def export_inference_model(self, path: str | os.PathLike, output_names: list[str]) -> None:
+        """Write a plain inference model with the current weights to ``path`` atomically."""
+        with atomic_target(path) as tmp:
+            self.module.export_model_for_inferencing(str(tmp), output_names)
+
+
+class GradientSession:
+    """A training ``Module`` (no optimizer) whose parameters are set before each use.
+
+    Args:
+        directory: artifact directory with every tensor trainable.
+        threads: ORT intra-op threads (None = ORT's default).
+    """
+
+    def __init__(self, directory: str | os.PathLike, threads: int | None):
+        api = _training_api()
+        d = Path(directory)
+        self.state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
+        self.module = api.Module(
+            str(d / "training_model.onnx"), self.state, session_options=session_options(threads)
+        )
+
+    def set_parameters(self, weights: Mapping[str, np.ndarray], names: Iterable[str]) -> None:
+        """Overwrite parameters ``names`` with ``weights[name]``, in place.
+
+        Writes through the zero-copy views: assigning ``parameters[name] = a`` segfaults in ORT
+        1.19.2 before a Module exists on the state; the views are safe.
+        """
+        params = self.state.parameters
+        for name in names:
+            params[name].data[...] = weights[name]
+
+    def accumulate(self, batches) -> list[float]:
+        """Forward + backward of every batch, gradients accumulated from zero (ORT accumulates
+        until ``lazy_reset_grad``). Returns the loss of each batch."""
+        self.module.train()
+        self.module.lazy_reset_grad()  # drop the previous use's gradients at the next call
+        losses = []
+        for x, y in batches:
+            out = self.module(x, y)
+            losses.append(float(out[0] if isinstance(out, (tuple, list)) else out))
+        return losses
+
+    def gradient(self, name: str) -> np.ndarray:
+        """Zero-copy view of the accumulated gradient of ``name`` (valid until the next use)."""
+        return self.state.parameters[name].grad
+
+
+def evaluate_onnx(model_path: str | os.PathLike, batches, batch_size: int) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of an inference ONNX model in a plain InferenceSession.
+
+    Short batches are padded to ``batch_size`` (models exported with a fixed batch dimension)
+    and the padding is not scored.
+
+    Args:
+        model_path: inference model (one input ``[B, C, H, W]``, first output logits ``[B, K]``).
+        batches: ``(x float32 [b, C, H, W], y int64 [b])`` with b <= batch_size.
+
+    Returns:
+        ``(mean loss, accuracy in [0, 1])``.
+    """
+    sess = inference_session(model_path)
+    input_name = sess.get_inputs()[0].name
+    total_loss, correct, count = 0.0, 0, 0
+    for x, y in batches:
+        b = x.shape[0]
+        xp, _ = _padded(x, y, batch_size)
+        logits = sess.run(None, {input_name: xp})[0][:b]
+        loss, right = softmax_cross_entropy(logits, y)
+        total_loss, correct, count = total_loss + loss, correct + right, count + b
+    return total_loss / max(count, 1), correct / max(count, 1)
