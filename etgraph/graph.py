@@ -26,13 +26,9 @@ import networkx as nx
 import numpy as np
 import onnx
 
-from passes import (
-    default_pass_manager,
-    op_id,
-    op_nodes,
-    tensor_id,
-    tensor_nodes,
-)
+from passes import tensor_graph_pipeline
+from passes.base import run_passes
+from passes.layout import op_id, op_nodes, tensor_id, tensor_nodes
 
 from .errors import ConfigError, ModelError
 from .model import TensorInfo, running_statistics, trainable_tensors
@@ -131,7 +127,9 @@ def build_tensor_graph(
 
     Raises:
         ModelError: no trainable tensors; ORT cannot build the training graph; a tensor gets no
-            gradient in the training graph; an op is left uncharged (a bug).
+            gradient in the training graph.
+        onnx_ir.passes.PassError: a pass's pre- or postcondition failed (e.g. an op left
+            uncharged): a bug in etgraph, not the user's fault.
     """
     tensors = trainable_tensors(model)
     training = _training_model(model, tensors, training_model, work_dir)
@@ -207,10 +205,7 @@ def build_tensor_graph(
             )
         graph.add_edge(src, tensor_id(t.name), kind="grad", values=[grad])
 
-    default_pass_manager().run(graph)
-    missing = [n for n in op_nodes(graph) if graph.nodes[n].get("charge") is None]
-    if missing:
-        raise ModelError(f"{len(missing)} ops were left uncharged, e.g. {missing[:3]} (a bug)")
+    run_passes(tensor_graph_pipeline(), graph)
     log.debug("tensor graph: %d tensors, %d ops", len(tensors), len(training.graph.node))
     return graph
 

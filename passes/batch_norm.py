@@ -11,18 +11,30 @@ joins it.
 
 from __future__ import annotations
 
-import networkx as nx
+from dataclasses import dataclass
 
-from . import PassResult, op_rule, set_charge, tensor_name_at, uncharged
+import networkx as nx
+from onnx_ir.passes import PostconditionError
+
+from etgraph.ops import op_rule
+
+from .base import ChargeDecision, ChargingPass
+from .layout import op_nodes, tensor_name_at, tensors_by_name
 
 _KINDS = ("gamma", "beta")
 
 
-class BatchNormPass:
+@dataclass(frozen=True)
+class _Tables:
+    tensors: dict[str, dict]  # tensor name -> tensor node attributes
+    beta_of_layer: dict[str, str]  # layer -> its beta (its gamma when it has no beta)
+
+
+class BatchNormPass(ChargingPass[_Tables]):
     """Charge normalisation backward ops to beta's ``t_dy``.
 
-    Requires: :class:`passes.linearize.LinearizePass` output; tensor nodes with ``kind`` and
-    ``layer``.
+    Requires: a linearised graph (:class:`passes.linearize.LinearizePass` output); tensor nodes
+    with ``kind`` and ``layer``.
 
     Ensures: every uncharged backward op that is a norm gradient in the registry (``norm_grad``)
     and produces a gradient of a gamma/beta is charged ``dy`` to the latest of the layer's
@@ -32,34 +44,46 @@ class BatchNormPass:
 
     name = "batch_norm"
 
-    def __call__(self, graph: nx.DiGraph) -> PassResult:
-        tensors = {
-            a["name"]: a for _, a in graph.nodes(data=True) if a.get("node_type") == "tensor"
-        }
+    def prepare(self, graph: nx.DiGraph) -> _Tables:
+        tensors = tensors_by_name(graph)
         beta_of_layer: dict[str, str] = {}
-        for name, a in sorted(tensors.items(), key=lambda item: item[1]["index"]):
+        for name, a in tensors.items():  # forward order: the later one (beta) wins
             if a["kind"] in _KINDS:
-                beta_of_layer[a["layer"]] = name  # the later one (beta) wins
-        modified = False
-        for op in uncharged(graph):
-            attrs = graph.nodes[op]
-            if attrs.get("role") != "backward" or attrs.get("d_max") is None:
-                continue
-            target = None
-            if op_rule(attrs["op_type"]).norm_grad:
-                own = [
-                    tensor_name_at(graph, k)
-                    for k in attrs.get("d_out_max", [])[1:]
-                    if k is not None
-                ]
-                own = [t for t in own if tensors[t]["kind"] in _KINDS]
-                if own:
-                    target = beta_of_layer[tensors[own[-1]]["layer"]]
-            elif attrs["d_size"] == 1:
-                name = tensor_name_at(graph, attrs["d_max"])
-                if tensors[name]["kind"] in _KINDS:
-                    target = beta_of_layer[tensors[name]["layer"]]
-            if target is not None:
-                set_charge(graph, op, "dy", self.name, target)
-                modified = True
-        return PassResult(graph, modified)
+                beta_of_layer[a["layer"]] = name
+        return _Tables(tensors, beta_of_layer)
+
+    def decide(self, graph: nx.DiGraph, op: str, context: _Tables) -> ChargeDecision | None:
+        attrs = graph.nodes[op]
+        if attrs.get("role") != "backward" or attrs.get("d_max") is None:
+            return None
+        tensors = context.tensors
+        if op_rule(attrs["op_type"]).norm_grad:
+            own = _norm_tensors(graph, attrs, tensors)
+            if own:
+                return ChargeDecision("dy", context.beta_of_layer[tensors[own[-1]]["layer"]])
+        elif attrs["d_size"] == 1:
+            name = tensor_name_at(graph, attrs["d_max"])
+            if tensors[name]["kind"] in _KINDS:
+                return ChargeDecision("dy", context.beta_of_layer[tensors[name]["layer"]])
+        return None
+
+    def ensures(self, graph: nx.DiGraph) -> None:
+        super().ensures(graph)
+        tensors = tensors_by_name(graph)
+        left = [
+            n
+            for n in op_nodes(graph, "backward")
+            if graph.nodes[n].get("charge") is None
+            and graph.nodes[n].get("d_max") is not None
+            and op_rule(graph.nodes[n]["op_type"]).norm_grad
+            and _norm_tensors(graph, graph.nodes[n], tensors)
+        ]
+        if left:
+            raise PostconditionError(f"pass {self.name}: norm gradient ops left: {left[:3]}")
+
+
+def _norm_tensors(graph: nx.DiGraph, attrs: dict, tensors: dict[str, dict]) -> list[str]:
+    """The gamma/beta whose gradients a norm gradient op produces (outputs 1.., forward order
+    of the outputs)."""
+    own = [tensor_name_at(graph, k) for k in attrs.get("d_out_max", [])[1:] if k is not None]
+    return [t for t in own if tensors[t]["kind"] in _KINDS]

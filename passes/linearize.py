@@ -37,44 +37,64 @@ models:
 from __future__ import annotations
 
 import networkx as nx
+from onnx_ir.passes import PassResult, PostconditionError, PreconditionError
 
-from . import PassResult, op_nodes, tensor_nodes
+from .base import TensorGraphPass
+from .layout import D_ATTRIBUTES, linearized_problems, op_nodes, tensor_nodes
 
 
-class LinearizePass:
+class LinearizePass(TensorGraphPass):
     """Fix the tensor order and compute D(o) summaries.
 
-    Requires: tensor nodes with distinct ``index`` 0..N-1; op nodes with ``role`` and ``outputs``;
-    ``kind="data"`` edges (attribute ``values``: the value names passed) between ops;
-    ``kind="grad"`` edges op -> tensor (``values``: the gradient value name).
+    Requires: tensor nodes with distinct ``index`` 0..N-1 and a ``name``; op nodes with ``role``
+    and ``outputs``; ``kind="data"`` edges (attribute ``values``: the value names passed) between
+    ops, acyclic among the non-forward ops; ``kind="grad"`` edges op -> tensor (``values``: the
+    gradient value name).
 
     Ensures: graph attribute ``tensor_order`` (names by index); ``kind="chain"`` edges
     tensor k+1 -> tensor k; on every non-forward op ``d_size`` (int), ``d_min``/``d_max``
     (tensor index or None when D is empty) and ``d_out_max`` (list aligned with ``outputs``:
     max index of D of that output value, or None); ``d_gap`` and ``d_out_gap`` (per output):
     None when D is empty or a prefix {0..max}, else ``[p, extra]`` (:func:`gap`).
+
+    ``modified`` is False when all of that was already in place (a second run).
     """
 
     name = "linearize"
 
-    def __call__(self, graph: nx.DiGraph) -> PassResult:
+    def requires(self, graph: nx.DiGraph) -> None:
         tensors = tensor_nodes(graph)
         indices = [graph.nodes[t]["index"] for t in tensors]
         if indices != list(range(len(tensors))):
-            raise ValueError(f"tensor indices must be 0..N-1, got {indices[:10]}...")
-        order = [graph.nodes[t]["name"] for t in tensors]
-        graph.graph["tensor_order"] = order
-        for later, earlier in zip(tensors[1:], tensors[:-1], strict=True):
-            graph.add_edge(later, earlier, kind="chain")
+            raise PreconditionError(f"tensor indices must be 0..N-1, got {indices[:10]}...")
+        if any("name" not in graph.nodes[t] for t in tensors):
+            raise PreconditionError("every tensor node needs a name")
+        for n in op_nodes(graph):
+            a = graph.nodes[n]
+            if "role" not in a or not isinstance(a.get("outputs"), list):
+                raise PreconditionError(f"op node {n!r} needs a role and a list of outputs")
+        for u, v, a in graph.edges(data=True):
+            kind = a.get("kind")
+            if kind in ("data", "grad") and not isinstance(a.get("values"), list):
+                raise PreconditionError(f"{kind} edge {u!r} -> {v!r} has no list of values")
+            if kind == "grad" and graph.nodes[v].get("node_type") != "tensor":
+                raise PreconditionError(f"grad edge {u!r} -> {v!r} does not end at a tensor")
+        if not nx.is_directed_acyclic_graph(_backward_flow(graph)):
+            raise PreconditionError("the data edges among non-forward ops form a cycle")
 
-        backward = [n for n in op_nodes(graph) if graph.nodes[n].get("role") != "forward"]
-        flow = nx.DiGraph()
-        flow.add_nodes_from(backward)
-        flow.add_edges_from(
-            (u, v)
-            for u, v, kind in graph.edges(data="kind")
-            if kind == "data" and u in flow and v in flow
-        )
+    def call(self, graph: nx.DiGraph) -> PassResult:
+        modified = False
+        tensors = tensor_nodes(graph)
+        order = [graph.nodes[t]["name"] for t in tensors]
+        if graph.graph.get("tensor_order") != order:
+            graph.graph["tensor_order"] = order
+            modified = True
+        for later, earlier in zip(tensors[1:], tensors[:-1], strict=True):
+            if graph.get_edge_data(later, earlier, {}).get("kind") != "chain":
+                graph.add_edge(later, earlier, kind="chain")
+                modified = True
+
+        flow = _backward_flow(graph)
         bits: dict[str, int] = {}
         for op in reversed(list(nx.topological_sort(flow))):
             per_value: dict[str, int] = {}
@@ -93,16 +113,55 @@ class LinearizePass:
                 total |= b
             bits[op] = total
             attrs = graph.nodes[op]
-            attrs["d_size"] = total.bit_count()
-            attrs["d_max"] = total.bit_length() - 1 if total else None
-            attrs["d_min"] = (total & -total).bit_length() - 1 if total else None
-            attrs["d_out_max"] = [
-                (per_value[v].bit_length() - 1) if per_value.get(v) else None
-                for v in attrs.get("outputs", [])
-            ]
-            attrs["d_gap"] = gap(total)
-            attrs["d_out_gap"] = [gap(per_value.get(v, 0)) for v in attrs.get("outputs", [])]
-        return PassResult(graph, True)
+            outputs = attrs.get("outputs", [])
+            summary = {
+                "d_size": total.bit_count(),
+                "d_max": total.bit_length() - 1 if total else None,
+                "d_min": (total & -total).bit_length() - 1 if total else None,
+                "d_out_max": [
+                    (per_value[v].bit_length() - 1) if per_value.get(v) else None for v in outputs
+                ],
+                "d_gap": gap(total),
+                "d_out_gap": [gap(per_value.get(v, 0)) for v in outputs],
+            }
+            if any(k not in attrs or attrs[k] != v for k, v in summary.items()):
+                attrs.update(summary)
+                modified = True
+        return PassResult(graph, modified)
+
+    def ensures(self, graph: nx.DiGraph) -> None:
+        problems = linearized_problems(graph)
+        tensors = tensor_nodes(graph)
+        for later, earlier in zip(tensors[1:], tensors[:-1], strict=True):
+            if graph.get_edge_data(later, earlier, {}).get("kind") != "chain":
+                problems.append(f"no chain edge {later!r} -> {earlier!r}")
+                break
+        for n in op_nodes(graph):
+            a = graph.nodes[n]
+            if a["role"] == "forward":
+                continue
+            missing = [k for k in D_ATTRIBUTES if k not in a]
+            if missing:
+                problems.append(f"op {n!r} has no {', '.join(missing)}")
+            elif len(a["d_out_max"]) != len(a["outputs"]):
+                problems.append(f"op {n!r}: d_out_max is not aligned with its outputs")
+            if problems:
+                break
+        if problems:
+            raise PostconditionError(f"pass {self.name}: " + "; ".join(problems))
+
+
+def _backward_flow(graph: nx.DiGraph) -> nx.DiGraph:
+    """The non-forward ops and the ``data`` edges among them."""
+    backward = [n for n in op_nodes(graph) if graph.nodes[n].get("role") != "forward"]
+    flow = nx.DiGraph()
+    flow.add_nodes_from(backward)
+    flow.add_edges_from(
+        (u, v)
+        for u, v, kind in graph.edges(data="kind")
+        if kind == "data" and u in flow and v in flow
+    )
+    return flow
 
 
 def gap(bits: int) -> list | None:

@@ -12,16 +12,27 @@ empty D (dead helpers) also go to ``t_dy[N-1]``: they run whenever anything trai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import networkx as nx
+from onnx_ir.passes import PostconditionError, PreconditionError
 
-from . import PassResult, set_charge, tensor_name_at, uncharged
+from .base import ChargeDecision, ChargingPass
+from .layout import tensor_name_at, uncharged
 
 
-class NonTrainablePass:
-    """Charge every op that no earlier pass charged.
+@dataclass(frozen=True)
+class _Tables:
+    grad_value_tensor: dict[str, str]  # gradient value name -> tensor name
+    last: str  # the tensor nearest the output (index N-1)
 
-    Requires: :class:`passes.linearize.LinearizePass` output; op nodes with ``role`` and
-    ``inputs``; ``kind="grad"`` edges (``values`` = [gradient value name]) to tensor nodes.
+
+class NonTrainablePass(ChargingPass[_Tables]):
+    """Charge every op that no earlier pass charged (the last pass of the pipeline).
+
+    Requires: a linearised graph (:class:`passes.linearize.LinearizePass` output) with at least
+    one tensor; op nodes with ``role`` and ``inputs``; ``kind="grad"`` edges (``values`` =
+    [gradient value name]) to tensor nodes.
 
     Ensures: every op node has a ``charge``: ``forward`` (role forward), ``loss`` (role loss),
     ``dw`` of the parameter whose gradient an accumulator consumes (role accumulate),
@@ -30,35 +41,44 @@ class NonTrainablePass:
 
     name = "non_trainable"
 
-    def __call__(self, graph: nx.DiGraph) -> PassResult:
-        grad_value_tensor = {
-            value: graph.nodes[t]["name"]
-            for _, t, attrs in graph.edges(data=True)
-            if attrs.get("kind") == "grad"
-            for value in attrs.get("values", [])
-        }
-        order = graph.graph["tensor_order"]
-        modified = False
-        for op in uncharged(graph):
-            attrs = graph.nodes[op]
-            role = attrs.get("role")
-            modified = True
-            if role == "forward":
-                set_charge(graph, op, "forward", self.name)
-            elif role == "loss":
-                set_charge(graph, op, "loss", self.name)
-            elif role == "accumulate":
-                params = [
-                    grad_value_tensor[v] for v in attrs.get("inputs", []) if v in grad_value_tensor
-                ]
-                if params:
-                    set_charge(graph, op, "dw", self.name, params[0])
-                else:
-                    set_charge(graph, op, "dy", self.name, order[-1])
-            elif attrs.get("d_max") is None:
-                set_charge(graph, op, "dy", self.name, order[-1])
-            elif attrs["d_size"] == 1:
-                set_charge(graph, op, "dw", self.name, tensor_name_at(graph, attrs["d_max"]))
-            else:
-                set_charge(graph, op, "dy", self.name, tensor_name_at(graph, attrs["d_max"]))
-        return PassResult(graph, modified)
+    def requires(self, graph: nx.DiGraph) -> None:
+        super().requires(graph)
+        if not graph.graph["tensor_order"]:
+            raise PreconditionError(f"pass {self.name}: the graph has no tensor to charge onto")
+
+    def prepare(self, graph: nx.DiGraph) -> _Tables:
+        return _Tables(
+            grad_value_tensor={
+                value: graph.nodes[t]["name"]
+                for _, t, attrs in graph.edges(data=True)
+                if attrs.get("kind") == "grad"
+                for value in attrs.get("values", [])
+            },
+            last=graph.graph["tensor_order"][-1],
+        )
+
+    def decide(self, graph: nx.DiGraph, op: str, context: _Tables) -> ChargeDecision:
+        attrs = graph.nodes[op]
+        role = attrs.get("role")
+        if role == "forward":
+            return ChargeDecision("forward")
+        if role == "loss":
+            return ChargeDecision("loss")
+        if role == "accumulate":
+            params = [
+                context.grad_value_tensor[v]
+                for v in attrs.get("inputs", [])
+                if v in context.grad_value_tensor
+            ]
+            return ChargeDecision("dw", params[0]) if params else ChargeDecision("dy", context.last)
+        if attrs.get("d_max") is None:
+            return ChargeDecision("dy", context.last)
+        if attrs["d_size"] == 1:
+            return ChargeDecision("dw", tensor_name_at(graph, attrs["d_max"]))
+        return ChargeDecision("dy", tensor_name_at(graph, attrs["d_max"]))
+
+    def ensures(self, graph: nx.DiGraph) -> None:
+        super().ensures(graph)
+        missing = uncharged(graph)
+        if missing:
+            raise PostconditionError(f"{len(missing)} ops were left uncharged, e.g. {missing[:3]}")

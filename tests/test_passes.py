@@ -1,4 +1,6 @@
-"""Each charging pass alone on a tiny hand-built graph (no ONNX, no ORT).
+"""Each tensor-graph pass alone on a tiny hand-built graph (no ONNX, no ORT), and the contract
+every pass follows: ``requires`` -> ``call`` -> ``ensures`` (onnx_ir's PassBase), ``modified``
+False when nothing changes, a manager is itself a pass.
 
 The hand-built backward graph mirrors what ORT emits for::
 
@@ -9,22 +11,34 @@ Tensors (forward order): 0 conv kernel, 1 conv bias, 2 bn gamma, 3 bn beta, 4 fc
 
 from __future__ import annotations
 
+import copy
+
 import networkx as nx
 import pytest
+from onnx_ir.passes import (
+    InPlacePass,
+    PassBase,
+    PassError,
+    PassManager,
+    PassResult,
+    PostconditionError,
+    PreconditionError,
+)
 
+from etgraph.errors import ModelError
+from etgraph.ops import DEFAULT_RULE, op_rule
 from passes import (
-    DEFAULT_RULE,
     BatchNormPass,
     ConvDensePass,
     LinearizePass,
     NonTrainablePass,
-    PassManager,
-    PassResult,
-    op_id,
-    op_rule,
-    set_charge,
-    tensor_id,
+    describe_pipeline,
+    tensor_graph_pipeline,
 )
+from passes.base import ChargeDecision, ChargingPass, run_passes, user_error_in
+from passes.layout import op_id, op_nodes, set_charge, tensor_id, uncharged
+
+CHARGING_PASSES = (ConvDensePass, BatchNormPass, NonTrainablePass)
 
 TENSORS = [
     ("k0", "kernel", "conv"),
@@ -120,6 +134,24 @@ def with_order(g):
     return g
 
 
+def fill_d(g):
+    """D = {} on every backward op a test leaves unset (the charging passes require a D summary
+    on every backward op; an empty D is skipped by conv_dense and batch_norm)."""
+    for op in op_nodes(g, "backward"):
+        if "d_size" not in g.nodes[op]:
+            set_d(g, op.removeprefix("op:"), [])
+    return g
+
+
+def snapshot(g) -> tuple:
+    """Everything a pass can change: graph, node and edge attributes."""
+    return (
+        copy.deepcopy(g.graph),
+        copy.deepcopy(dict(g.nodes(data=True))),
+        copy.deepcopy({(u, v): a for u, v, a in g.edges(data=True)}),
+    )
+
+
 # ---- linearize ----
 
 
@@ -167,8 +199,40 @@ def test_linearize_rejects_bad_indices():
     g = nx.DiGraph()
     add_tensors(g, [("a", "kernel", "l0")])
     g.nodes[tensor_id("a")]["index"] = 3
-    with pytest.raises(ValueError, match="0..N-1"):
+    with pytest.raises(PreconditionError, match="0..N-1"):
         LinearizePass()(g)
+
+
+def test_linearize_rejects_a_backward_cycle():
+    g = chain_graph()
+    data(g, "conv_grad", "loss_grad", "c_grad")  # conv_grad -> ... -> loss_grad -> ... closes
+    with pytest.raises(PreconditionError, match="form a cycle"):
+        LinearizePass()(g)
+    assert "tensor_order" not in g.graph  # call() never ran
+
+
+def test_linearize_second_run_is_unmodified():
+    g = chain_graph()
+    assert LinearizePass()(g).modified
+    before = snapshot(g)
+    result = LinearizePass()(g)
+    assert result.model is g and not result.modified
+    assert snapshot(g) == before
+
+
+def test_linearize_reports_a_stale_summary_as_modified():
+    g = chain_graph()
+    LinearizePass()(g)
+    g.nodes[op_id("relu_grad")]["d_max"] = 5  # stale
+    assert LinearizePass()(g).modified
+    assert g.nodes[op_id("relu_grad")]["d_max"] == 3
+
+
+def test_linearize_ensures_is_checked():
+    """ensures() on a graph LinearizePass has not run on names what is missing."""
+    g = chain_graph()
+    with pytest.raises(PostconditionError, match="tensor_order"):
+        LinearizePass().ensures(g)
 
 
 # ---- conv_dense ----
@@ -218,6 +282,7 @@ def test_conv_dense_split_with_input_gradient_depthwise():
 def test_conv_dense_leaves_charged_ops():
     g = with_order(chain_graph())
     set_d(g, "fc_dw", [4])
+    fill_d(g)
     set_charge(g, op_id("fc_dw"), "dy", "test", "b5")
     assert not ConvDensePass()(g).modified
     assert g.nodes[op_id("fc_dw")]["charge"] == "dy"
@@ -232,6 +297,7 @@ def test_batch_norm_alone():
     add_op(g, "gamma_helper", "Identity", inputs=["t"], outputs=["g2_grad_part"])
     set_d(g, "gamma_helper", [2])
     set_d(g, "fc_dw", [4])
+    fill_d(g)
     assert BatchNormPass()(g).modified
     n = g.nodes
     assert (n[op_id("bn_grad")]["charge"], n[op_id("bn_grad")]["charge_tensor"]) == ("dy", "be3")
@@ -280,31 +346,176 @@ def test_non_trainable_alone():
     assert all(a.get("charge") for _, a in g.nodes(data=True) if a["node_type"] == "op")
 
 
+# ---- the contract of every charging pass ----
+
+
+@pytest.mark.parametrize("cls", CHARGING_PASSES)
+def test_charging_pass_requires_a_linearized_graph(cls):
+    g = chain_graph()  # no tensor_order, no D summaries
+    with pytest.raises(PreconditionError, match="not linearised"):
+        cls()(g)
+    assert all(g.nodes[op]["charge"] is None for op in op_nodes(g))
+
+
+@pytest.mark.parametrize("cls", CHARGING_PASSES)
+def test_charging_pass_second_run_is_unmodified(cls):
+    g = chain_graph()
+    LinearizePass()(g)
+    cls()(g)
+    before = snapshot(g)
+    result = cls()(g)
+    assert result.model is g and not result.modified
+    assert snapshot(g) == before
+
+
+@pytest.mark.parametrize("cls", CHARGING_PASSES)
+def test_charging_pass_rejects_a_malformed_charge(cls):
+    """ensures() checks every charge in the graph, not only the pass's own."""
+    g = chain_graph()
+    LinearizePass()(g)
+    g.nodes[op_id("conv")].update(charge="everywhere", rule="test")
+    with pytest.raises(PostconditionError, match="malformed charges.*everywhere"):
+        cls()(g)
+
+
+def test_non_trainable_ensures_every_op_charged():
+    """The pipeline's postcondition "every op is charged" is the last pass's ensures: a
+    (broken) variant that leaves one op uncharged fails it."""
+
+    class Skipping(NonTrainablePass):
+        def decide(self, graph, op, context):
+            return None if op == op_id("relu_grad") else super().decide(graph, op, context)
+
+    g = chain_graph()
+    LinearizePass()(g)
+    with pytest.raises(PostconditionError, match=r"1 ops were left uncharged.*op:relu_grad"):
+        Skipping()(g)
+
+
+def test_non_trainable_requires_a_tensor():
+    g = nx.DiGraph()
+    add_op(g, "f", "Relu", "forward", ["x"], ["y"])
+    LinearizePass()(g)
+    with pytest.raises(PreconditionError, match="no tensor"):
+        NonTrainablePass()(g)
+
+
+def test_conv_dense_ensures_fused_grads_charged():
+    g = chain_graph()
+    LinearizePass()(g)
+    with pytest.raises(PostconditionError, match="fused gradient ops left.*conv_grad"):
+        ConvDensePass().ensures(g)
+
+
+def test_batch_norm_ensures_norm_grads_charged():
+    g = chain_graph()
+    LinearizePass()(g)
+    with pytest.raises(PostconditionError, match="norm gradient ops left.*bn_grad"):
+        BatchNormPass().ensures(g)
+
+
+def test_charging_loop_is_shared():
+    """A ChargingPass subclass only decides; the base visits uncharged ops in graph order,
+    skips charged ones, records the rule and reports modified."""
+    seen = []
+
+    class LossOnly(ChargingPass[None]):
+        name = "loss_only"
+
+        def decide(self, graph, op, context):
+            seen.append(op)
+            return ChargeDecision("loss") if graph.nodes[op]["role"] == "loss" else None
+
+    g = chain_graph()
+    LinearizePass()(g)
+    set_charge(g, op_id("conv"), "forward", "test")
+    expected = uncharged(g)
+    assert LossOnly()(g).modified
+    assert seen == expected and op_id("conv") not in seen
+    assert (g.nodes[op_id("loss")]["charge"], g.nodes[op_id("loss")]["rule"]) == (
+        "loss",
+        "loss_only",
+    )
+    assert not LossOnly()(g).modified
+
+
+# ---- manager and registry ----
 # ---- manager and registry ----
 
 
 def test_pass_manager_full_pipeline_on_hand_built_graph():
     g = chain_graph()
-    result = PassManager(
-        [LinearizePass(), ConvDensePass(), BatchNormPass(), NonTrainablePass()]
-    ).run(g)
-    assert result.modified
+    result = tensor_graph_pipeline()(g)
+    assert result.modified and result.model is g
     n = g.nodes
     assert n[op_id("bn_grad")]["rule"] == "batch_norm"
     assert n[op_id("relu_grad")]["rule"] == "non_trainable"
     assert n[op_id("conv_grad")]["rule"] == "conv_dense"
     assert n[op_id("acc_k4")]["charge_tensor"] == "k4"
+    assert not uncharged(g)
+    before = snapshot(g)
+    assert not tensor_graph_pipeline()(g).modified  # the whole pipeline, a second time
+    assert snapshot(g) == before
+
+
+def test_manager_is_a_pass():
+    """A PassManager is a PassBase: it nests in another manager with the same result."""
+    pipeline = tensor_graph_pipeline()
+    assert isinstance(pipeline, PassBase) and pipeline.in_place
+    assert [type(p) for p in pipeline.passes] == [
+        LinearizePass,
+        ConvDensePass,
+        BatchNormPass,
+        NonTrainablePass,
+    ]
+    flat, nested = chain_graph(), chain_graph()
+    pipeline(flat)
+    inner = PassManager([LinearizePass(), ConvDensePass()])
+    PassManager([inner, BatchNormPass(), NonTrainablePass()])(nested)
+    assert snapshot(flat) == snapshot(nested)
 
 
 def test_pass_manager_reports_unmodified():
-    class Noop:
-        name = "noop"
-
-        def __call__(self, graph):
+    class Noop(InPlacePass):
+        def call(self, graph):
             return PassResult(graph, False)
 
     g = nx.DiGraph()
-    assert not PassManager([Noop(), Noop()]).run(g).modified
+    assert not PassManager([Noop(), Noop()])(g).modified
+
+
+def test_run_passes_hands_back_a_user_error():
+    class Refuses(InPlacePass):
+        def call(self, graph):
+            raise ModelError("op 'x' cannot be trained")
+
+    with pytest.raises(ModelError, match="op 'x' cannot be trained"):
+        run_passes(PassManager([Refuses()]), nx.DiGraph())
+
+
+def test_run_passes_keeps_a_failed_precondition_internal():
+    g = nx.DiGraph()
+    add_tensors(g, [("a", "kernel", "l0")])
+    g.nodes[tensor_id("a")]["index"] = 3
+    with pytest.raises(PassError, match="error occurred") as info:
+        run_passes(tensor_graph_pipeline(), g)
+    assert user_error_in(info.value) is None
+    cause = info.value
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    assert isinstance(cause, PreconditionError) and "0..N-1" in str(cause)
+
+
+def test_describe_pipeline_lists_the_passes():
+    lines = describe_pipeline(tensor_graph_pipeline())
+    assert [line.split(":")[0] for line in lines] == [
+        "1. LinearizePass",
+        "2. ConvDensePass",
+        "3. BatchNormPass",
+        "4. NonTrainablePass",
+    ]
+    nested = describe_pipeline(PassManager([tensor_graph_pipeline(), LinearizePass()]))
+    assert nested[0] == "1. PassManager" and nested[1].startswith("   1. LinearizePass")
 
 
 def test_registry_is_keyed_by_op_type():
