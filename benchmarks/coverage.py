@@ -27,21 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `models` lives at the repository root
 
-from etgraph.artifacts import generate  # noqa: E402
-from etgraph.graph import (  # noqa: E402
-    build_tensor_graph,
-    charges,
-    coverage,
-    node_roles,
-    running_statistics,
-)
-from etgraph.onnx_io import load_model  # noqa: E402
+from etgraph.artifacts import ArtifactCache, generate  # noqa: E402
+from etgraph.graph import build_tensor_graph, charges, coverage, node_roles  # noqa: E402
+from etgraph.model import LoadedModel  # noqa: E402
 
 MODELS = ("resnet50", "vgg16", "mobilenet_v2", "vit_b16")
 
 
-def suffix_prediction_holds(model, graph, start: int, work: Path) -> bool:
+def suffix_prediction_holds(loaded: LoadedModel, graph, start: int, work: Path) -> bool:
     """True when charges predict ORT's pruned backward for selecting tensors start..N-1."""
+    model = loaded.proto
     order = graph.graph["tensor_order"]
     index = {name: i for i, name in enumerate(order)}
     selected = set(order[start:])
@@ -60,7 +55,7 @@ def suffix_prediction_holds(model, graph, start: int, work: Path) -> bool:
         )
         if runs:
             predicted[c.op_type] += 1
-    frozen = order[:start] + running_statistics(model)
+    frozen = order[:start] + list(loaded.running_stats)
     paths = generate(model, order[start:], frozen, work / "suffix")
     pruned = onnx.load(str(paths.training_model))
     roles = node_roles(pruned, {n.name for n in model.graph.node})
@@ -92,13 +87,13 @@ def main(models: str, input_size: int, work: str | None) -> None:
     for name in models.split(","):
         mdir = root / name
         path = export_onnx(name, mdir / f"{name}.onnx", input_shape=(3, input_size, input_size))
-        model = load_model(path)
+        loaded = LoadedModel.load(path)
         start_s = time.perf_counter()
-        graph = build_tensor_graph(model, work_dir=mdir)
+        graph = build_tensor_graph(loaded.proto, cache=ArtifactCache(mdir / "artifacts"))
         build_s = time.perf_counter() - start_s
         cov = coverage(graph)
         n = graph.graph["num_tensors"]
-        ok = suffix_prediction_holds(model, graph, n // 2, mdir)
+        ok = suffix_prediction_holds(loaded, graph, n // 2, mdir)
         rows.append(
             f"| {name} | {n} | {cov['total']} | {cov['dw']} | {cov['dy']} | {cov['split']} | "
             f"{cov['forward']} | {cov['loss']} | {100 * cov['charged'] / cov['total']:.1f}% | "
@@ -106,7 +101,7 @@ def main(models: str, input_size: int, work: str | None) -> None:
             f"{build_s:.1f} |"
         )
         click.echo(rows[-1], err=True)
-        del graph, model
+        del graph, loaded
     click.echo(header)
     click.echo("\n".join(rows))
 

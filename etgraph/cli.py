@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 
-from . import __version__
+import passes
+
+from . import __version__, dumps, graph
 from .errors import EtgraphError
 
 
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @cli.command("inspect")
-@click.argument("target", type=click.Path())
+@click.argument("target", required=False, type=click.Path())
 @click.option(
     "--format",
     "fmt",
@@ -83,31 +86,36 @@ def main(argv: list[str] | None = None) -> None:
     help="Directory for graph.<fmt> [TARGET dir, or <model>_graph/ next to the model].",
 )
 @click.option("--render", is_flag=True, help="Render the DOT dump to SVG with Graphviz.")
-def inspect_command(target: str, fmt: str, out_dir: str | None, render: bool) -> None:
+@click.option("--passes", "show_passes", is_flag=True, help="Print the pass pipeline and exit.")
+def inspect_command(
+    target: str | None, fmt: str, out_dir: str | None, render: bool, show_passes: bool
+) -> None:
     """Print the tensor table of TARGET (an .onnx model or a compiled directory) and write the
     tensor-level backward graph (JSON node-link, GraphML, DOT)."""
-    from pathlib import Path
-
-    from . import graph as tg
-
-    tensor_graph = tg.load_tensor_graph(target)
-    click.echo(tg.format_tensor_table(tg.tensor_table(tensor_graph)))
+    if show_passes:
+        click.echo("tensor-graph passes (passes/):")
+        click.echo("\n".join(passes.describe_pipeline(passes.tensor_graph_pipeline(), "  ")))
+        return
+    if target is None:  # optional only for --passes: the usual usage error otherwise
+        raise click.UsageError("Missing argument 'TARGET'.", ctx=click.get_current_context())
+    tensor_graph = graph.load_tensor_graph(target)
+    click.echo(graph.format_tensor_table(graph.tensor_table(tensor_graph)))
     if tensor_graph.graph.get("num_ops") is not None:
-        cov = tg.coverage(tensor_graph)
+        cov = graph.coverage(tensor_graph)
         click.echo(
-            f"{len(tg.tensor_table(tensor_graph))} tensors; {cov['total']} training-graph ops, "
+            f"{len(graph.tensor_table(tensor_graph))} tensors; {cov['total']} training-graph ops, "
             f"{cov['charged']} charged (dw {cov['dw']}, dy {cov['dy']}, split {cov['split']}, "
             f"forward {cov['forward']}, loss {cov['loss']})"
         )
     tpath = Path(target)
     if out_dir is None:
         out_dir = tpath if tpath.is_dir() else tpath.with_name(f"{tpath.stem}_graph")
-    formats = tg.GRAPH_FORMATS if fmt == "all" else (fmt,)
+    formats = dumps.GRAPH_FORMATS if fmt == "all" else (fmt,)
     for f in formats:
-        written = tg.write_graph(tensor_graph, Path(out_dir) / f"graph.{f}", f)
+        written = dumps.write_graph(tensor_graph, Path(out_dir) / f"graph.{f}", f)
         click.echo(f"wrote {written}")
         if f == "dot" and render:
-            image = tg.render_dot(written, "svg")
+            image = dumps.render_dot(written, "svg")
             click.echo(f"wrote {image}" if image else "note: no graphviz 'dot': not rendered")
     if render and "dot" not in formats:
         click.echo("note: --render needs --format dot or all")

@@ -1,45 +1,57 @@
 """The tensor-level backward graph (paper §5; DESIGN: TensorGraph).
 
-* :func:`trainable_tensors` — the tensors the DP selects among, in forward order (index 0 nearest
-  the input), with their kind (kernel, bias, gamma, beta, embedding).
 * :func:`build_tensor_graph` — ORT's training graph (all tensors trainable) as a networkx DiGraph
-  of tensor nodes and op nodes, charged by the passes in :mod:`passes` so that every backward op
-  lands on exactly one tensor's ``t_dw`` or ``t_dy`` (or on forward / loss).
-* :func:`charges`, :func:`tensor_table` — what the profiler and the CLI read from it.
-* :func:`write_graph` / :func:`read_graph` — node-link JSON (lossless), GraphML, Graphviz DOT.
+  of tensor nodes (the trainable tensors of :func:`etgraph.model.trainable_tensors`, forward
+  order) and op nodes, charged by the tensor-graph pipeline (:func:`passes.tensor_graph_pipeline`)
+  so that every backward op lands on exactly one tensor's ``t_dw`` or ``t_dy`` (or on forward /
+  loss).
+* :func:`charges`, :func:`tensor_table`, :func:`coverage` — what the profiler and the CLI read
+  from it.
+* :func:`load_tensor_graph`, :func:`format_tensor_table` — what ``etgraph inspect`` shows.
 
-The graph layout (node ids, attributes, edge kinds) is documented in :mod:`passes`.
+Dumps (JSON, GraphML, DOT) are in :mod:`etgraph.dumps`; the graph layout (node ids, attributes,
+edge kinds) is documented in :mod:`passes.layout`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
-import numpy as np
 import onnx
 
 from passes import tensor_graph_pipeline
 from passes.base import run_passes
-from passes.layout import op_id, op_nodes, tensor_id, tensor_nodes
+from passes.layout import CHARGE_KINDS, op_id, op_nodes, tensor_id, tensor_nodes
 
+from . import model as model_spec
+from .artifacts import ArtifactCache, generate
+from .dumps import read_graph
 from .errors import ConfigError, ModelError
-from .model import TensorInfo, running_statistics, trainable_tensors
 from .onnx_io import INPUT_NAME, OUTPUT_NAME, model_hash
 from .ops import op_rule
+
+__all__ = [
+    "TABLE_COLUMNS",
+    "TENSOR_KINDS",
+    "Charge",
+    "build_tensor_graph",
+    "charges",
+    "coverage",
+    "format_tensor_table",
+    "load_tensor_graph",
+    "node_roles",
+    "tensor_table",
+]
 
 log = logging.getLogger(__name__)
 
 TENSOR_KINDS = ("kernel", "bias", "gamma", "beta", "embedding")
-CHARGE_KINDS = ("dw", "dy", "split", "forward", "loss")
-GRAPH_FORMATS = ("json", "graphml", "dot")
 
 # ---- the tensor graph ----
 
@@ -83,20 +95,21 @@ def node_roles(training: onnx.ModelProto, forward_names: set[str]) -> list[str]:
 
 def _training_model(
     model: onnx.ModelProto,
-    tensors: list[TensorInfo],
+    tensors: list[model_spec.TensorInfo],
     training_model: onnx.ModelProto | str | os.PathLike | None,
-    work_dir: str | os.PathLike | None,
+    cache: ArtifactCache | None,
 ) -> onnx.ModelProto:
+    """ORT's all-trainable training graph of ``model``: given, or generated (through ``cache``
+    when given, else in a temporary directory)."""
     if isinstance(training_model, onnx.ModelProto):
         return training_model
     if training_model is not None:
         return onnx.load(str(training_model))
-    from .artifacts import generate
-
     requires_grad = [t.name for t in tensors]
-    frozen = running_statistics(model)
-    if work_dir is not None:
-        paths = generate(model, requires_grad, frozen, Path(work_dir) / "all_trainable")
+    frozen = model_spec.running_statistics(model)
+    if cache is not None:
+        paths, hit = cache.get(model, requires_grad, frozen)
+        log.debug("all-trainable artifacts in %s (cache hit: %s)", paths.directory, hit)
         return onnx.load(str(paths.training_model))
     with tempfile.TemporaryDirectory(prefix="etgraph-graph-") as tmp:
         paths = generate(model, requires_grad, frozen, Path(tmp) / "all_trainable")
@@ -107,17 +120,20 @@ def build_tensor_graph(
     model: onnx.ModelProto,
     *,
     training_model: onnx.ModelProto | str | os.PathLike | None = None,
-    work_dir: str | os.PathLike | None = None,
+    cache: ArtifactCache | None = None,
 ) -> nx.DiGraph:
     """Build the charged tensor-level backward graph of ``model`` (paper §5).
 
     Args:
-        model: a legalised forward model (:func:`etgraph.onnx_io.load_model`).
+        model: a legalised forward model (``LoadedModel.proto``, or ``LoadedModel.with_batch``
+            for static shapes).
         training_model: ORT's ``training_model.onnx`` for ``model`` with *all* trainable tensors
-            trainable (ModelProto or path); generated with :func:`etgraph.artifacts.generate`
-            when omitted (seconds for small models, ~2-8 s for ResNet50/ViT-B/16).
-        work_dir: where to keep the generated artifacts (``<work_dir>/all_trainable``); a
-            temporary directory is used and removed when omitted.
+            trainable (ModelProto or path). When omitted it is generated (seconds for small
+            models, ~2-8 s for ResNet50/ViT-B/16): through ``cache`` when given (so the profiler
+            can reuse the same artifacts), else in a temporary directory removed afterwards.
+        cache: the :class:`etgraph.artifacts.ArtifactCache` to generate the all-trainable
+            artifacts through (requires_grad = every trainable tensor, frozen = the running
+            statistics).
 
     Returns:
         DiGraph with tensor and op nodes (layout in :mod:`passes`), every op charged; graph
@@ -131,8 +147,8 @@ def build_tensor_graph(
         onnx_ir.passes.PassError: a pass's pre- or postcondition failed (e.g. an op left
             uncharged): a bug in etgraph, not the user's fault.
     """
-    tensors = trainable_tensors(model)
-    training = _training_model(model, tensors, training_model, work_dir)
+    tensors = model_spec.trainable_tensors(model)
+    training = _training_model(model, tensors, training_model, cache)
     forward_names = {n.name for n in model.graph.node}
     roles = node_roles(training, forward_names)
 
@@ -323,171 +339,18 @@ def coverage(graph: nx.DiGraph) -> dict[str, int]:
     return {**counts, "total": total, "charged": charged, "dy_ops": dy_ops, "prefix_dy": prefix}
 
 
-# ---- dumps ----
-
-
-def _json_default(obj):
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    raise TypeError(f"cannot serialise {type(obj).__name__}")
-
-
-def _graphml_ready(graph: nx.DiGraph) -> nx.DiGraph:
-    """A copy whose attributes GraphML accepts: one scalar type per key; lists/None as text."""
-
-    def norm(items: Iterable[dict]) -> None:
-        items = list(items)
-        keys = {k for d in items for k in d}
-        for key in keys:
-            kinds = set()
-            for d in items:
-                v = d.get(key)
-                if isinstance(v, np.generic):
-                    d[key] = v = v.item()
-                if isinstance(v, bool):
-                    kinds.add("bool")
-                elif isinstance(v, int):
-                    kinds.add("int")
-                elif isinstance(v, float):
-                    kinds.add("float")
-                elif v is not None:
-                    kinds.add("other")
-            numeric = kinds <= {"int", "float"} and kinds
-            for d in items:
-                if key not in d:
-                    continue
-                v = d[key]
-                if numeric and v is None:
-                    d[key] = math.nan if "float" in kinds else -1
-                elif numeric and "float" in kinds:
-                    d[key] = float(v)
-                elif not numeric and not (kinds == {"bool"} and isinstance(v, bool)):
-                    if v is None:
-                        d[key] = ""
-                    elif not isinstance(v, str):
-                        d[key] = json.dumps(v, default=_json_default)
-                elif kinds == {"bool"} and v is None:
-                    d[key] = ""
-
-    g = graph.copy()
-    norm(d for _, d in g.nodes(data=True))
-    norm(d for _, _, d in g.edges(data=True))
-    g.graph = {
-        k: (v if isinstance(v, (int, float, str)) else json.dumps(v, default=_json_default))
-        for k, v in graph.graph.items()
-        if v is not None
-    }
-    return g
-
-
-def _dot_quote(text: str) -> str:
-    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-_ROLE_COLOR = {"backward": "lightblue", "loss": "orange", "accumulate": "lightgrey"}
-
-
-def _write_dot(graph: nx.DiGraph, path: Path) -> None:
-    """Graphviz DOT of the backward view: tensors (boxes, forward order), non-forward ops
-    (ellipses) and their data/charge edges. Forward ops are left out (they are all charged
-    ``forward``); the JSON dump has them."""
-    lines = [
-        "digraph etgraph {",
-        "  rankdir=RL;",
-        '  node [fontname="Helvetica", fontsize=10];',
-        '  edge [fontname="Helvetica", fontsize=8];',
-    ]
-    for n in tensor_nodes(graph):
-        a = graph.nodes[n]
-        label = f"{a['index']}: {a['name']}\\n{a['kind']} {tuple(a['shape'])}"
-        for key in ("t_dw_us", "t_dy_us"):
-            if a.get(key) is not None:
-                label += f"\\n{key}={a[key]:.1f}"
-        fill = "palegreen" if a.get("selected") else "white"
-        lines.append(
-            f'  {_dot_quote(n)} [shape=box, style=filled, fillcolor={fill}, label="{label}"];'
-        )
-    for n in op_nodes(graph):
-        a = graph.nodes[n]
-        if a["role"] == "forward":
-            continue
-        color = _ROLE_COLOR.get(a["role"], "white")
-        label = f"{a['op_type']}\\n[{a.get('charge')}]"
-        lines.append(
-            f"  {_dot_quote(n)} [shape=ellipse, style=filled, fillcolor={color}, "
-            f"label={_dot_quote(label).replace(chr(92) * 2 + 'n', chr(92) + 'n')}, "
-            f"tooltip={_dot_quote(a['name'])}];"
-        )
-    styles = {"chain": "bold", "charge": "dashed", "grad": "dotted", "data": "solid"}
-    for u, v, a in graph.edges(data=True):
-        kind = a.get("kind")
-        if kind not in styles:
-            continue
-        if graph.nodes[u].get("role") == "forward":
-            continue
-        extra = f', label="{a["charge"]}", color=red' if a.get("charge") else ""
-        lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)} [style={styles[kind]}{extra}];")
-    lines.append("}")
-    path.write_text("\n".join(lines) + "\n")
-
-
-def write_graph(graph: nx.DiGraph, path: str | os.PathLike, fmt: str = "json") -> Path:
-    """Write ``graph`` to ``path`` as ``json`` (networkx node-link, lossless, :func:`read_graph`
-    reloads it), ``graphml`` (lists/None stringified for Gephi/yEd) or ``dot`` (Graphviz text of
-    the backward view). Returns the path.
-
-    Raises:
-        ConfigError: unknown ``fmt``.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "json":
-        data = nx.node_link_data(graph, edges="links")
-        path.write_text(json.dumps(data, default=_json_default, indent=1) + "\n")
-    elif fmt == "graphml":
-        nx.write_graphml(_graphml_ready(graph), str(path))
-    elif fmt == "dot":
-        _write_dot(graph, path)
-    else:
-        raise ConfigError(f"unknown graph format {fmt!r}: use one of {', '.join(GRAPH_FORMATS)}")
-    return path
-
-
-def read_graph(path: str | os.PathLike) -> nx.DiGraph:
-    """Read a tensor graph written by :func:`write_graph` as JSON (``.json``, lossless) or GraphML
-    (``.graphml``; list attributes stay JSON text).
-
-    Raises:
-        ConfigError: the file is missing, unreadable or not a tensor-graph dump.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such graph file")
-    try:
-        if path.suffix == ".graphml":
-            return nx.read_graphml(str(path))
-        data = json.loads(path.read_text())
-        return nx.node_link_graph(data, directed=True, multigraph=False, edges="links")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a tensor-graph dump ({exc})") from exc
-
-
 # ---- what `etgraph inspect` does (the CLI only parses and prints) ----
 
 
-def load_tensor_graph(
-    target: str | os.PathLike, *, work_dir: str | os.PathLike | None = None
-) -> nx.DiGraph:
+def load_tensor_graph(target: str | os.PathLike) -> nx.DiGraph:
     """The tensor graph of ``target``: an ``.onnx`` model (loaded, legalised and built with
-    :func:`build_tensor_graph`), a ``graph.json`` dump, or a compiled directory holding one.
+    :func:`build_tensor_graph`, artifacts in a temporary directory), a ``graph.json`` dump
+    (:func:`etgraph.dumps.read_graph`), or a compiled directory holding one.
 
     Raises:
-        ConfigError: the target does not exist or is a directory without ``graph.json``.
-        ModelError: as :func:`etgraph.onnx_io.load_model` and :func:`build_tensor_graph`.
+        ConfigError: the target does not exist, is a directory without ``graph.json``, or is
+            not a tensor-graph dump.
+        ModelError: as :meth:`etgraph.model.LoadedModel.load` and :func:`build_tensor_graph`.
     """
     target = Path(target)
     if target.is_dir():
@@ -499,9 +362,7 @@ def load_tensor_graph(
         return read_graph(target)
     if not target.exists():
         raise ConfigError(f"{target}: no such model file or compiled directory")
-    from .model import LoadedModel
-
-    return build_tensor_graph(LoadedModel.load(target).proto, work_dir=work_dir)
+    return build_tensor_graph(model_spec.LoadedModel.load(target).proto)
 
 
 def format_tensor_table(rows: list[dict]) -> str:
@@ -543,27 +404,3 @@ def format_tensor_table(rows: list[dict]) -> str:
         ).rstrip()
 
     return "\n".join([line(columns), *(line(r) for r in cells)])
-
-
-def render_dot(dot_path: str | os.PathLike, fmt: str = "svg") -> Path | None:
-    """Render a DOT file to ``svg`` or ``png`` next to it with Graphviz's ``dot`` binary.
-
-    Returns the image path, or None when ``dot`` is not installed.
-
-    Raises:
-        ModelError: ``dot`` failed on the file.
-    """
-    import shutil
-    import subprocess
-
-    exe = shutil.which("dot")
-    if exe is None:
-        return None
-    dot_path = Path(dot_path)
-    out = dot_path.with_suffix(f".{fmt}")
-    proc = subprocess.run(
-        [exe, f"-T{fmt}", str(dot_path), "-o", str(out)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise ModelError(f"graphviz could not render {dot_path}: {proc.stderr.strip()[:200]}")
-    return out

@@ -6,7 +6,8 @@ import shutil
 import subprocess
 import sys
 
-from etgraph.graph import charges, read_graph
+from etgraph.dumps import read_graph
+from etgraph.graph import charges
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -53,3 +54,24 @@ def test_inspect_errors_are_one_line(tmp_path):
     junk.write_bytes(b"not a model at all")
     proc = run_cli("inspect", str(junk))
     assert proc.returncode == 1 and "junk.onnx" in proc.stderr
+
+
+def test_inspect_passes_prints_the_pipeline():
+    proc = run_cli("inspect", "--passes")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "tensor-graph passes (passes/):"
+    assert [line.split(":")[0].strip() for line in lines[1:5]] == [
+        "1. LinearizePass",
+        "2. ConvDensePass",
+        "3. BatchNormPass",
+        "4. NonTrainablePass",
+    ]
+
+
+def test_inspect_without_target_is_a_usage_error():
+    proc = run_cli("inspect")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "etgraph: error: Missing argument 'TARGET'. (see `etgraph inspect --help`)"
+    )

@@ -13,19 +13,18 @@ import networkx as nx
 import onnx
 import pytest
 
-from etgraph.artifacts import generate
+from etgraph.artifacts import ArtifactCache, generate
+from etgraph.dumps import read_graph, write_graph
+from etgraph.errors import ConfigError
 from etgraph.graph import (
     TENSOR_KINDS,
     build_tensor_graph,
     charges,
     coverage,
     node_roles,
-    read_graph,
-    running_statistics,
     tensor_table,
-    trainable_tensors,
-    write_graph,
 )
+from etgraph.model import running_statistics, trainable_tensors
 from etgraph.onnx_io import load_model
 
 MODELS = ["tiny_cnn_onnx", "resnet18s_onnx", "tiny_vit_onnx"]
@@ -33,14 +32,17 @@ MODELS = ["tiny_cnn_onnx", "resnet18s_onnx", "tiny_vit_onnx"]
 
 @pytest.fixture(scope="module")
 def built(request, tmp_path_factory):
-    """name -> (model, graph, training ModelProto) for the three small models (built once)."""
+    """name -> (model, graph, training ModelProto) for the three small models (built once, the
+    all-trainable artifacts generated through an ArtifactCache)."""
     out = {}
     for fixture in MODELS:
         model = load_model(request.getfixturevalue(fixture))
-        work = tmp_path_factory.mktemp(fixture)
-        graph = build_tensor_graph(model, work_dir=work)
-        training = onnx.load(str(work / "all_trainable" / "training_model.onnx"))
-        out[fixture] = (model, graph, training)
+        cache = ArtifactCache(tmp_path_factory.mktemp(fixture))
+        graph = build_tensor_graph(model, cache=cache)
+        names = [t.name for t in trainable_tensors(model)]
+        paths, hit = cache.get(model, names, running_statistics(model))
+        assert hit  # the graph builder generated exactly these artifacts
+        out[fixture] = (model, graph, onnx.load(str(paths.training_model)))
     return out
 
 
@@ -199,6 +201,18 @@ def test_branch_gaps_predict_ort_pruned_backward(built, tmp_path):
     assert chain != actual  # the chain rule over-counts here: the case the gaps exist for
 
 
+def test_given_training_model_builds_the_same_graph(built, tmp_path):
+    """training_model= (a path or a ModelProto) skips generation and gives the same graph."""
+    model, graph, training = built["tiny_cnn_onnx"]
+    path = tmp_path / "training_model.onnx"
+    onnx.save(training, str(path))
+    for given in (path, training):
+        again = build_tensor_graph(model, training_model=given)
+        assert nx.utils.graphs_equal(again, graph)
+        assert charges(again) == charges(graph)
+    assert list(tmp_path.iterdir()) == [path]
+
+
 def test_tensor_table_rows(built):
     _, graph, _ = built["tiny_cnn_onnx"]
     rows = tensor_table(graph)
@@ -229,8 +243,6 @@ def test_dumps_round_trip(built, tmp_path):
 
 
 def test_write_graph_unknown_format(built, tmp_path):
-    from etgraph.errors import ConfigError
-
     with pytest.raises(ConfigError, match="unknown graph format"):
         write_graph(built["tiny_cnn_onnx"][1], tmp_path / "g.x", "yaml")
     with pytest.raises(ConfigError, match="no such graph file"):
