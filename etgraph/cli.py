@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import click
+from onnx_ir.passes import PassError
 
 import passes
 
@@ -54,13 +55,33 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug, not a user error: one line, the traceback with --debug
         if debug:
             raise
-        first = (str(exc).strip().splitlines() or [""])[0]
         click.echo(
-            f"etgraph: internal error: {type(exc).__name__}: {first} "
+            f"etgraph: internal error: {_internal_cause(exc)} "
             "(a bug: rerun with --debug for the traceback and report it)",
             err=True,
         )
         sys.exit(3)
+
+
+def _internal_cause(exc: BaseException) -> str:
+    """``Type: first line`` of the innermost explicit cause of ``exc`` (``raise ... from``),
+    skipping onnx_ir's ``PassError`` wrappers; when a pre/postcondition error itself wraps a
+    cause, both are named (``PreconditionError: ...: KeyError: ...``)."""
+
+    def text(e: BaseException) -> str:
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__
+    named = [e for e in chain if not (isinstance(e, PassError) and e.__cause__ is not None)]
+    named = named or chain[-1:]
+    if len(named) == 1:
+        return text(named[0])
+    return f"{text(named[-2])}: {text(named[-1])}"
 
 
 # ---- commands: each parses options, calls the Python API, prints. Keep them thin. ----

@@ -1,7 +1,17 @@
+"""The CLI's entry point: version, help, and how an internal error (a bug) is reported."""
+
+from __future__ import annotations
+
 import subprocess
 import sys
 
-from etgraph import __version__
+import networkx as nx
+import pytest
+
+from etgraph import __version__, graph
+from etgraph import cli as cli_module
+from passes import tensor_graph_pipeline
+from passes.base import run_passes
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -17,3 +27,41 @@ def test_version_and_help():
     out = run_cli("--help")
     assert out.returncode == 0
     assert "Usage" in out.stdout
+
+
+def test_internal_error_names_the_innermost_cause(monkeypatch, capsys, tmp_path):
+    """A failed precondition inside onnx_ir's PassManager (wrapped twice in PassError) is an
+    internal error: exit 3, one line naming the PreconditionError and its message."""
+
+    def broken_build(target):
+        g = nx.DiGraph()
+        g.add_node("t:a", node_type="tensor", index=3, name="a")
+        run_passes(tensor_graph_pipeline(), g)
+
+    monkeypatch.setattr(graph, "load_tensor_graph", broken_build)
+    with pytest.raises(SystemExit, match="3"):
+        cli_module.main(["inspect", str(tmp_path / "x.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("etgraph: internal error: PreconditionError: tensor indices must be")
+    assert "PassError" not in err[0] and "--debug" in err[0]
+
+
+def test_internal_error_names_a_wrapped_cause_and_its_wrapper(monkeypatch, capsys, tmp_path):
+    """A check that fails with an unexpected exception is wrapped by onnx_ir in a
+    PreconditionError: both are named."""
+
+    def broken_build(target):
+        g = nx.DiGraph()
+        g.add_node("t:a", node_type="tensor", name="a")  # no index: KeyError in requires
+        run_passes(tensor_graph_pipeline(), g)
+
+    monkeypatch.setattr(graph, "load_tensor_graph", broken_build)
+    with pytest.raises(SystemExit, match="3"):
+        cli_module.main(["inspect", str(tmp_path / "x.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert (
+        "internal error: PreconditionError: Pre-condition for pass 'LinearizePass' failed: "
+        "KeyError: 'index'" in err[0]
+    )
