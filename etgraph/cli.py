@@ -33,7 +33,8 @@ def cli(ctx: click.Context, debug: bool, verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the CLI, turning EtgraphError into one line and exit 1."""
+    """Console-script entry point: run the CLI, turning EtgraphError into one line and exit 1,
+    and any other exception (a bug) into one line naming its innermost cause and exit 3."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _internal_cause(exc: BaseException) -> str:
     """``Type: first line`` of the innermost explicit cause of ``exc`` (``raise ... from``),
-    skipping onnx_ir's ``PassError`` wrappers; when a pre/postcondition error itself wraps a
-    cause, both are named (``PreconditionError: ...: KeyError: ...``)."""
+    skipping onnx_ir's ``PassError`` wrappers (``PreconditionError: <message>``); when that cause
+    is itself wrapped by another named exception, the wrapper comes first
+    (``PreconditionError: Pre-condition for pass 'X' failed: KeyError: 'index'``)."""
 
     def text(e: BaseException) -> str:
         first = (str(e).strip().splitlines() or [""])[0]

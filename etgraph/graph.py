@@ -136,7 +136,7 @@ def build_tensor_graph(
             statistics).
 
     Returns:
-        DiGraph with tensor and op nodes (layout in :mod:`passes`), every op charged; graph
+        DiGraph with tensor and op nodes (layout in :mod:`passes.layout`), every op charged; graph
         attributes ``model_hash``, ``tensor_order`` (names by index), ``num_tensors``,
         ``num_ops``. Tensor nodes carry ``t_dw_us``, ``t_dy_us``, ``importance``, ``selected``
         = None for later stages to fill.
