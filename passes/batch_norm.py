@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
-from onnx_ir.passes import PostconditionError
+from onnx_ir.passes import PostconditionError, PreconditionError
 
 from etgraph.ops import op_rule
 
 from .base import ChargeDecision, ChargingPass
-from .layout import op_nodes, tensor_name_at, tensors_by_name
+from .layout import missing_attributes, op_nodes, tensor_name_at, tensors_by_name
 
 _KINDS = ("gamma", "beta")
 
@@ -34,7 +34,7 @@ class BatchNormPass(ChargingPass[_Tables]):
     """Charge normalisation backward ops to beta's ``t_dy``.
 
     Requires: a linearised graph (:class:`passes.linearize.LinearizePass` output); tensor nodes
-    with ``kind`` and ``layer``.
+    with ``kind`` and ``layer``; op nodes with ``op_type``.
 
     Ensures: every uncharged backward op that is a norm gradient in the registry (``norm_grad``)
     and produces a gradient of a gamma/beta is charged ``dy`` to the latest of the layer's
@@ -43,6 +43,14 @@ class BatchNormPass(ChargingPass[_Tables]):
     """
 
     name = "batch_norm"
+
+    def requires(self, graph: nx.DiGraph) -> None:
+        super().requires(graph)
+        problems = missing_attributes(graph, "tensor", ("kind", "layer")) + missing_attributes(
+            graph, "op", ("op_type",)
+        )
+        if problems:
+            raise PreconditionError(f"pass {self.name}: " + "; ".join(problems))
 
     def prepare(self, graph: nx.DiGraph) -> _Tables:
         tensors = tensors_by_name(graph)

@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
-from onnx_ir.passes import PostconditionError
+from onnx_ir.passes import PostconditionError, PreconditionError
 
 from etgraph.ops import op_rule
 
 from .base import ChargeDecision, ChargingPass
-from .layout import op_nodes, tensor_name_at, tensors_by_name
+from .layout import missing_attributes, op_nodes, tensor_name_at, tensors_by_name
 
 _KINDS = ("kernel", "bias")
 
@@ -38,9 +38,9 @@ class ConvDensePass(ChargingPass[_Tables]):
     """Charge conv/dense backward ops.
 
     Requires: a linearised graph (:class:`passes.linearize.LinearizePass` output: ``d_*``
-    attributes, ``tensor_order``); tensor nodes with ``kind`` and ``values`` (the value names that
-    carry the tensor into its layer: its own name and any weight-preprocessing outputs such as
-    Transpose(W)).
+    attributes, ``tensor_order``); tensor nodes with ``kind`` (and optionally ``values``: the
+    value names that carry the tensor into its layer, its own name and any weight-preprocessing
+    outputs such as Transpose(W)); op nodes with ``op_type``.
 
     Ensures: (a) every fused gradient op (registry ``fused_grad``: ConvGrad, ConvTransposeGrad)
     with a non-empty D is charged — by this pass as ``split``: ``charge_dy_tensor`` =
@@ -52,6 +52,14 @@ class ConvDensePass(ChargingPass[_Tables]):
     """
 
     name = "conv_dense"
+
+    def requires(self, graph: nx.DiGraph) -> None:
+        super().requires(graph)
+        problems = missing_attributes(graph, "tensor", ("kind",)) + missing_attributes(
+            graph, "op", ("op_type",)
+        )
+        if problems:
+            raise PreconditionError(f"pass {self.name}: " + "; ".join(problems))
 
     def prepare(self, graph: nx.DiGraph) -> _Tables:
         tensors = tensors_by_name(graph)

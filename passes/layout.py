@@ -47,6 +47,7 @@ __all__ = [
     "D_ATTRIBUTES",
     "charge_problems",
     "linearized_problems",
+    "missing_attributes",
     "op_id",
     "op_nodes",
     "set_charge",
@@ -148,6 +149,23 @@ def _charge_edge(graph: nx.DiGraph, op: str, tensor: str, part: str) -> None:
 
 
 # ---- checks shared by the passes' requires/ensures (each returns the problems it finds) ----
+
+
+def missing_attributes(
+    graph: nx.DiGraph, node_type: str, keys: tuple[str, ...], *, limit: int = 3
+) -> list[str]:
+    """Nodes of ``node_type`` (``tensor`` or ``op``) lacking one of ``keys``, at most ``limit``
+    problems. Empty when every such node has them all."""
+    problems = []
+    for n, a in graph.nodes(data=True):
+        if a.get("node_type") != node_type:
+            continue
+        missing = [k for k in keys if k not in a]
+        if missing:
+            problems.append(f"{node_type} node {n!r} has no {', '.join(missing)}")
+            if len(problems) >= limit:
+                break
+    return problems
 
 
 def linearized_problems(graph: nx.DiGraph, *, limit: int = 3) -> list[str]:

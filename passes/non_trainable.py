@@ -18,7 +18,7 @@ import networkx as nx
 from onnx_ir.passes import PostconditionError, PreconditionError
 
 from .base import ChargeDecision, ChargingPass
-from .layout import tensor_name_at, uncharged
+from .layout import missing_attributes, tensor_name_at, uncharged
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class NonTrainablePass(ChargingPass[_Tables]):
     """Charge every op that no earlier pass charged (the last pass of the pipeline).
 
     Requires: a linearised graph (:class:`passes.linearize.LinearizePass` output) with at least
-    one tensor; op nodes with ``role`` and ``inputs``; ``kind="grad"`` edges (``values`` =
-    [gradient value name]) to tensor nodes.
+    one tensor; op nodes with ``role`` (and ``inputs`` for accumulators); ``kind="grad"`` edges
+    (``values`` = [gradient value name]) to tensor nodes.
 
     Ensures: every op node has a ``charge``: ``forward`` (role forward), ``loss`` (role loss),
     ``dw`` of the parameter whose gradient an accumulator consumes (role accumulate),
@@ -45,6 +45,9 @@ class NonTrainablePass(ChargingPass[_Tables]):
         super().requires(graph)
         if not graph.graph["tensor_order"]:
             raise PreconditionError(f"pass {self.name}: the graph has no tensor to charge onto")
+        problems = missing_attributes(graph, "op", ("role",))
+        if problems:
+            raise PreconditionError(f"pass {self.name}: " + "; ".join(problems))
 
     def prepare(self, graph: nx.DiGraph) -> _Tables:
         return _Tables(

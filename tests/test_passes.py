@@ -357,6 +357,23 @@ def test_charging_pass_requires_a_linearized_graph(cls):
     assert all(g.nodes[op]["charge"] is None for op in op_nodes(g))
 
 
+@pytest.mark.parametrize(
+    ("cls", "node", "key"),
+    [
+        (ConvDensePass, tensor_id("k4"), "kind"),
+        (ConvDensePass, op_id("fc_dx"), "op_type"),
+        (BatchNormPass, tensor_id("be3"), "layer"),
+        (NonTrainablePass, op_id("loss"), "role"),
+    ],
+)
+def test_charging_pass_requires_its_attributes(cls, node, key):
+    g = chain_graph()
+    LinearizePass()(g)
+    del g.nodes[node][key]
+    with pytest.raises(PreconditionError, match=f"{node}' has no {key}"):
+        cls()(g)
+
+
 @pytest.mark.parametrize("cls", CHARGING_PASSES)
 def test_charging_pass_second_run_is_unmodified(cls):
     g = chain_graph()
