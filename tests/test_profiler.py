@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from etgraph import graph, onnx_io, timing
 from etgraph.artifacts import ArtifactCache
@@ -151,8 +152,6 @@ def test_robust_time_is_a_low_quantile():
 def test_forward_us_by_anchor_follows_replaced_nodes():
     """A forward node's anchor is the latest tensor consumed so far in graph order; a node ORT
     replaced in the training graph (``<name>_BatchNormInternal``) keeps its forward node's."""
-    from onnx import TensorProto, helper
-
     nodes = [
         helper.make_node("Relu", ["input"], ["a"], name="pre"),
         helper.make_node("Conv", ["a", "w"], ["b"], name="conv"),
