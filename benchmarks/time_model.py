@@ -18,7 +18,8 @@ The machine may be shared: masks are measured in groups round-robin with full tr
 step each per round), so each mask has a full step measured under the same load. Two errors are
 reported: ``abs`` compares ``step_us(M)`` with the measured step as is; ``at speed`` first
 rescales the prediction by ``measured full step / profiled full step`` of that group (what the
-error would be if the machine ran at the speed it had while profiling).
+error would be if the machine ran at the speed it had while profiling). Masks are measured with
+:func:`etgraph.measure.measure_selection_steps_us`.
 
 Usage::
 
@@ -42,8 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the models/ package lives beside etgraph/
 
-from etgraph import graph, onnx_io, profiler, selection, timing  # noqa: E402
+from etgraph import selection, timing  # noqa: E402
 from etgraph.errors import InfeasibleBudgetError  # noqa: E402
+from etgraph.measure import measure_selection_steps_us  # noqa: E402
+from etgraph.model import LoadedModel  # noqa: E402
+from etgraph.profile import Profile  # noqa: E402
+from etgraph.profiler import profile_model  # noqa: E402
 
 log = logging.getLogger("time_model")
 
@@ -64,11 +69,12 @@ def random_masks(n: int, count: int, rng: np.random.Generator) -> list[np.ndarra
     return masks
 
 
-def dp_masks(prof: profiler.Profile, importance: np.ndarray) -> list[tuple[float, np.ndarray]]:
-    """DP selections (:func:`etgraph.selection.select_tensors`) at each rho in :data:`RHOS`."""
+def dp_masks(prof: Profile, importance: np.ndarray) -> list[tuple[float, np.ndarray]]:
+    """DP selections (:func:`etgraph.selection.select_tensors`) at each rho in :data:`RHOS`,
+    budgets relative to the MEASURED full step (``measured_full_step_us``)."""
     out = []
     for rho in RHOS:
-        budget = timing.budget_us(rho, prof.forward_us, prof.full_step_us)
+        budget = timing.budget_us(rho, prof.forward_us, prof.measured_full_step_us)
         try:
             chosen = selection.select_tensors(
                 prof.t_dw_us,
@@ -77,7 +83,7 @@ def dp_masks(prof: profiler.Profile, importance: np.ndarray) -> list[tuple[float
                 budget,
                 resolution=2000,
                 forward_us=prof.forward_us,
-                full_step_us=prof.full_step_us,
+                full_step_us=prof.measured_full_step_us,
             )
         except InfeasibleBudgetError:
             log.info("rho %.1f infeasible", rho)
@@ -86,13 +92,13 @@ def dp_masks(prof: profiler.Profile, importance: np.ndarray) -> list[tuple[float
     return out
 
 
-def profiling_overhead(prof: profiler.Profile, input_shape) -> float:
+def profiling_overhead(prof: Profile, input_shape) -> float:
     """Profiling wall time as a fraction of one training epoch of the default dataset (digits
     5-9 transfer task) at the profile's batch size and measured full step time."""
     from etgraph.data import load_dataset
 
     ds = load_dataset(None, input_shape=tuple(input_shape))
-    epoch_s = ds.steps_per_epoch(prof.batch_size) * prof.full_step_us * 1e-6
+    epoch_s = ds.steps_per_epoch(prof.batch_size) * prof.measured_full_step_us * 1e-6
     return prof.profiling_s / epoch_s
 
 
@@ -115,26 +121,26 @@ def run_model(
 
     shape = (3, input_size, input_size)
     path = export_onnx(name, work / f"{name}.onnx", input_shape=shape, num_classes=10, seed=0)
-    model = onnx_io.load_model(path)
-    tensors = graph.trainable_tensors(model)
+    model = LoadedModel.load(path)
+    tensors = model.tensors
     t0 = time.perf_counter()
-    prof = profiler.profile_model(
-        path, batch_size=batch_size, repeats=repeats, warmup=warmup, threads=threads, clock=clock
+    prof = profile_model(
+        model, batch_size=batch_size, repeats=repeats, warmup=warmup, threads=threads, clock=clock
     )
     log.info(
         "%s: %d tensors, profiled in %.0f s, full step %.0f ms",
         name,
         len(tensors),
         time.perf_counter() - t0,
-        prof.full_step_us / 1e3,
+        prof.measured_full_step_us / 1e3,
     )
     rng = np.random.default_rng(seed)
     params = np.array([t.params for t in tensors], dtype=np.float64)
     labelled = [("random", m) for m in random_masks(len(tensors), num_masks, rng)]
     labelled += [(f"dp rho={rho:.1f}", m) for rho, m in dp_masks(prof, params / params.sum())]
     masks = np.array([m for _, m in labelled])
-    measured, full = profiler.measure_selection_steps_us(
-        path,
+    measured, full = measure_selection_steps_us(
+        model,
         masks,
         batch_size=prof.batch_size,
         input_shape=prof.input_shape,
@@ -147,7 +153,7 @@ def run_model(
     )
     predicted = np.array([prof.predicted_step_us(m) for m in masks])
     err_abs = 100.0 * (predicted / measured - 1.0)
-    err_speed = 100.0 * (predicted * (full / prof.full_step_us) / measured - 1.0)
+    err_speed = 100.0 * (predicted * (full / prof.measured_full_step_us) / measured - 1.0)
     rows = [
         {
             "label": label,
@@ -171,7 +177,7 @@ def run_model(
         "max_abs_error_pct": float(np.max(np.abs(err_abs))),
         "mean_abs_error_at_speed_pct": float(np.mean(np.abs(err_speed))),
         "max_abs_error_at_speed_pct": float(np.max(np.abs(err_speed))),
-        "full_step_ms": prof.full_step_us / 1e3,
+        "measured_full_step_ms": prof.measured_full_step_us / 1e3,
         "profiling_s": prof.profiling_s,
         "profiling_epoch_fraction": profiling_overhead(prof, shape),
         "threads": prof.threads,
@@ -192,7 +198,7 @@ def print_table(results: list[dict]) -> None:
         click.echo(
             f"{r['model']:<13} {r['masks']:>5} {r['mean_abs_error_pct']:>10.1f} "
             f"{r['max_abs_error_pct']:>9.1f} {r['mean_abs_error_at_speed_pct']:>11.1f} "
-            f"{r['max_abs_error_at_speed_pct']:>10.1f} {r['full_step_ms']:>8.0f} "
+            f"{r['max_abs_error_at_speed_pct']:>10.1f} {r['measured_full_step_ms']:>8.0f} "
             f"{r['profiling_s']:>9.0f} {100 * r['profiling_epoch_fraction']:>7.1f}"
         )
 

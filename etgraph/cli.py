@@ -172,13 +172,14 @@ def profile_command(
     model, batch_size, input_shape, repeats, warmup, threads, output, cache_dir, no_cache, clock
 ):
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
-    from .model import parse_input_shape
-    from .profiler import default_cache_dir, profile_model
+    from .model import LoadedModel, parse_input_shape
+    from .profile import default_cache_dir
+    from .profiler import profile_model
 
     shape = parse_input_shape(input_shape) if input_shape else None
     cache = None if no_cache else (cache_dir or default_cache_dir())
     prof = profile_model(
-        model,
+        LoadedModel.load(model),
         batch_size=batch_size,
         input_shape=shape,
         repeats=repeats,
@@ -193,9 +194,10 @@ def profile_command(
         f"{len(prof.tensors)} tensors, batch {prof.batch_size}, input "
         f"{'x'.join(map(str, prof.input_shape))}, {prof.threads} threads, ORT {prof.ort_version}"
     )
-    predicted = prof.forward_us + dw.sum() + dy.sum()
+    predicted = prof.t_full_us
     click.echo(
-        f"full step {prof.full_step_us / 1e3:.1f} ms measured, {predicted / 1e3:.1f} ms predicted"
+        f"full step {prof.measured_full_step_us / 1e3:.1f} ms measured, "
+        f"{predicted / 1e3:.1f} ms predicted"
         f" = forward+fixed {prof.forward_us / 1e3:.1f} + t_dw {dw.sum() / 1e3:.1f}"
         f" + t_dy {dy.sum() / 1e3:.1f} ms"
     )

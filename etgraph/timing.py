@@ -183,22 +183,23 @@ def step_us(
     return float(forward_us) + backward_us(mask, t_dw_us, t_dy_us, branches)
 
 
-def budget_us(rho: float, forward_us: float, full_step_us: float) -> float:
-    """Backward-pass budget (µs) for speedup objective ``rho``: ``rho * full_step_us - forward_us``.
+def budget_us(rho: float, forward_us: float, t_full_us: float) -> float:
+    """Backward-pass budget (µs) for speedup objective ``rho``: ``rho * t_full_us - forward_us``.
 
-    Paper Eq. 3: T_selective <= rho * T_full, with T_selective = forward + backward(M).
+    Paper Eq. 3: T_selective <= rho * T_full, with T_selective = forward + backward(M) and
+    ``t_full_us`` = T_full, the time model's full step (``Profile.t_full_us``).
     The result may be negative (rho below what the forward pass alone costs); the selector
     then raises :class:`~etgraph.errors.InfeasibleBudgetError`.
 
     Raises:
-        ConfigError: ``rho`` not in (0, 1], or ``full_step_us`` not positive.
+        ConfigError: ``rho`` not in (0, 1], or ``t_full_us`` not positive.
     """
     rho = float(rho)
     if not (0.0 < rho <= 1.0):
         raise ConfigError(f"rho must be in (0, 1] (fraction of the full step time), got {rho}")
-    if not float(full_step_us) > 0.0:
-        raise ConfigError(f"full_step_us must be positive, got {full_step_us}")
-    return rho * float(full_step_us) - float(forward_us)
+    if not float(t_full_us) > 0.0:
+        raise ConfigError(f"t_full_us must be positive, got {t_full_us}")
+    return rho * float(t_full_us) - float(forward_us)
 
 
 def single_tensor_costs_us(t_dw_us, t_dy_us) -> np.ndarray:
@@ -223,16 +224,17 @@ def min_feasible_backward_us(t_dw_us, t_dy_us) -> tuple[float, int]:
     return float(costs[k]), k
 
 
-def min_feasible_rho(t_dw_us, t_dy_us, forward_us: float, full_step_us: float) -> float:
+def min_feasible_rho(t_dw_us, t_dy_us, forward_us: float, t_full_us: float) -> float:
     """Smallest ``rho`` at which at least one tensor can be selected.
 
-    ``(forward_us + min_k (t_dw_us[k] + sum(t_dy_us[k:]))) / full_step_us``. A value > 1 means the
-    timings are inconsistent with ``full_step_us`` (no rho in (0, 1] is feasible).
+    ``(forward_us + min_k (t_dw_us[k] + sum(t_dy_us[k:]))) / t_full_us`` (``t_full_us`` = T_full,
+    µs). A value > 1 means the timings are inconsistent with ``t_full_us`` (no rho in (0, 1] is
+    feasible).
 
     Raises:
-        ConfigError: ``full_step_us`` not positive, no tensors, or invalid timings.
+        ConfigError: ``t_full_us`` not positive, no tensors, or invalid timings.
     """
-    if not float(full_step_us) > 0.0:
-        raise ConfigError(f"full_step_us must be positive, got {full_step_us}")
+    if not float(t_full_us) > 0.0:
+        raise ConfigError(f"t_full_us must be positive, got {t_full_us}")
     cheapest_us, _ = min_feasible_backward_us(t_dw_us, t_dy_us)
-    return (float(forward_us) + cheapest_us) / float(full_step_us)
+    return (float(forward_us) + cheapest_us) / float(t_full_us)

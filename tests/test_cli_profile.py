@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
-from etgraph import graph, onnx_io
+import pytest
+
+from etgraph import onnx_io
+from etgraph.model import LoadedModel
 
 
 def run_cli(*args: str, env_cache) -> subprocess.CompletedProcess:
@@ -21,21 +24,25 @@ def run_cli(*args: str, env_cache) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
     out = tmp_path / "profile.json"
     args = ("profile", str(tiny_cnn_onnx), "--repeats", "3", "--threads", "1", "-o", str(out))
     first = run_cli(*args, "--batch-size", "2", env_cache=tmp_path / "cache")
     assert first.returncode == 0, first.stderr
     assert "tensors, batch 2, input 3x32x32, 1 threads" in first.stdout
-    assert "full step" in first.stdout and "wrote" in first.stdout
+    assert "full step" in first.stdout and "ms measured" in first.stdout
+    assert "wrote" in first.stdout
     data = json.loads(out.read_text())
     model = onnx_io.load_model(tiny_cnn_onnx)
-    names = [t.name for t in graph.trainable_tensors(model)]
+    names = LoadedModel.load(tiny_cnn_onnx).names
     assert [r["name"] for r in data["tensor_timings"]] == names
     assert all(r["t_dw_us"] >= 0 and r["t_dy_us"] >= 0 for r in data["tensor_timings"])
     assert data["batch_size"] == 2 and data["input_shape"] == [3, 32, 32]
     assert data["threads"] == 1 and data["model_hash"] == onnx_io.model_hash(model)
-    assert data["full_step_us"] > 0 and data["forward_us"] > 0
+    assert data["format_version"] == 4
+    assert data["measured_full_step_us"] > 0 and data["forward_us"] > 0
+    assert f"full step {data['measured_full_step_us'] / 1e3:.1f} ms measured" in first.stdout
     assert data["ort_version"] and data["host"]
     cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
     assert len(cached) == 1

@@ -1,5 +1,6 @@
 """Tensor timing profiler on real ONNX Runtime runs (small models; threads=1 so the shared
-2-core machine's load disturbs the measurements as little as possible)."""
+2-core machine's load disturbs the measurements as little as possible): etgraph.profile,
+etgraph.measure, etgraph.fold, etgraph.profiler."""
 
 from __future__ import annotations
 
@@ -8,22 +9,23 @@ import time
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from etgraph import graph, onnx_io, timing
-from etgraph import model as model_spec
+from etgraph.artifacts import ArtifactCache
 from etgraph.errors import ConfigError, ProfileMismatchError
-from etgraph.profiler import (
+from etgraph.fold import (
     OptimizerFit,
-    Profile,
-    conv_grad_parts,
     fit_optimizer,
-    measure_selection_steps_us,
-    profile_key,
-    profile_model,
-    robust_time,
+    forward_us_by_anchor,
+    fused_grad_parts,
     saved_forward_fraction,
     split_by_measurement,
 )
+from etgraph.measure import measure_selection_steps_us, robust_time
+from etgraph.model import LoadedModel
+from etgraph.profile import PROFILE_FORMAT_VERSION, Profile, profile_key
+from etgraph.profiler import profile_model
 
 REPEATS = 5
 WARMUP = 2
@@ -38,9 +40,19 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_cnn_profile(tiny_cnn_onnx, cache_dir) -> Profile:
+def tiny_cnn_model(tiny_cnn_onnx) -> LoadedModel:
+    return LoadedModel.load(tiny_cnn_onnx)
+
+
+@pytest.fixture(scope="module")
+def resnet18s_model(resnet18s_onnx) -> LoadedModel:
+    return LoadedModel.load(resnet18s_onnx)
+
+
+@pytest.fixture(scope="module")
+def tiny_cnn_profile(tiny_cnn_model, cache_dir) -> Profile:
     return profile_model(
-        tiny_cnn_onnx,
+        tiny_cnn_model,
         repeats=REPEATS,
         warmup=WARMUP,
         threads=THREADS,
@@ -50,9 +62,9 @@ def tiny_cnn_profile(tiny_cnn_onnx, cache_dir) -> Profile:
 
 
 @pytest.fixture(scope="module")
-def resnet18s_profile(resnet18s_onnx, cache_dir) -> Profile:
+def resnet18s_profile(resnet18s_model, cache_dir) -> Profile:
     return profile_model(
-        resnet18s_onnx,
+        resnet18s_model,
         repeats=REPEATS,
         warmup=WARMUP,
         threads=THREADS,
@@ -95,10 +107,12 @@ def test_split_by_measurement_unobserved_part_gets_the_rest():
     )
 
 
-def test_conv_grad_parts_reads_non_empty_outputs():
-    assert conv_grad_parts(["", "w_grad", "b_grad"]) == {"dw", "db"}
-    assert conv_grad_parts(["x_grad", "", ""]) == {"dx"}
-    assert conv_grad_parts(["x_grad", "w_grad"]) == {"dx", "dw"}
+def test_fused_grad_parts_reads_non_empty_outputs():
+    assert fused_grad_parts("ConvGrad", ["", "w_grad", "b_grad"]) == {"dw", "db"}
+    assert fused_grad_parts("ConvGrad", ["x_grad", "", ""]) == {"dx"}
+    assert fused_grad_parts("ConvGrad", ["x_grad", "w_grad"]) == {"dx", "dw"}
+    assert fused_grad_parts("ConvTransposeGrad", ["x_grad", "", "b_grad"]) == {"dx", "db"}
+    assert fused_grad_parts("MatMul", ["y"]) == frozenset()  # not a fused gradient kernel
 
 
 def test_fit_optimizer_recovers_linear_costs():
@@ -132,16 +146,83 @@ def test_saved_forward_fraction():
 
 def test_robust_time_is_a_low_quantile():
     assert robust_time([5.0, 1.0, 100.0, 2.0, 3.0, 4.0]) < np.median([5, 1, 100, 2, 3, 4])
+    assert robust_time(np.arange(11.0)) == pytest.approx(2.0)  # the 20th percentile
+
+
+def test_forward_us_by_anchor_follows_replaced_nodes():
+    """A forward node's anchor is the latest tensor consumed so far in graph order; a node ORT
+    replaced in the training graph (``<name>_BatchNormInternal``) keeps its forward node's."""
+    nodes = [
+        helper.make_node("Relu", ["input"], ["a"], name="pre"),
+        helper.make_node("Conv", ["a", "w"], ["b"], name="conv"),
+        helper.make_node("BatchNormalization", ["b", "g", "beta", "m", "v"], ["c"], name="bn"),
+        helper.make_node("Relu", ["c"], ["logits"], name="relu"),
+    ]
+    model = helper.make_model(
+        helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 1, 2, 2])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, 2, 2])],
+        )
+    )
+    rows = [
+        {"name": "pre", "op": "Relu", "us": 1.0, "charge": "forward"},
+        {"name": "conv", "op": "Conv", "us": 10.0, "charge": "forward"},
+        {"name": "bn_BatchNormInternal", "op": "BatchNormInternal", "us": 5.0, "charge": "forward"},
+        {"name": "relu", "op": "Relu", "us": 2.0, "charge": "forward"},
+        {"name": "conv_Grad/ConvGrad_0", "op": "ConvGrad", "us": 99.0, "charge": "split"},
+    ]
+    out = forward_us_by_anchor(model, rows, ["w", "g", "beta"], node_overhead_us=0.5)
+    # "pre" consumes no tensor: never on a gradient path, left out.
+    np.testing.assert_allclose(out, [10.5, 0.0, 5.5 + 2.5])
+
+
+def test_profile_json_format_4_and_format_3_still_loads(tmp_path):
+    prof = Profile(
+        model_hash="abc",
+        tensors=["w", "b"],
+        kinds=["kernel", "bias"],
+        t_dw_us=[10.0, 1.0],
+        t_dy_us=[5.0, 0.5],
+        forward_us=100.0,
+        measured_full_step_us=120.0,
+        batch_size=4,
+        input_shape=(3, 32, 32),
+        threads=1,
+        ort_version="1.19.2",
+        host="h",
+    )
+    assert prof.t_full_us == pytest.approx(116.5)  # the time model's T_full, not the measurement
+    data = json.loads(prof.save(tmp_path / "p.json").read_text())
+    assert data["format_version"] == PROFILE_FORMAT_VERSION == 4
+    assert data["measured_full_step_us"] == 120.0 and "full_step_us" not in data
+    # Format 3 named the measured full step "full_step_us": mapped on load.
+    old = dict(data, format_version=3)
+    old["full_step_us"] = old.pop("measured_full_step_us")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    back = Profile.load(tmp_path / "old.json")
+    assert back.measured_full_step_us == 120.0
+    np.testing.assert_array_equal(back.t_dw_us, prof.t_dw_us)
+    (tmp_path / "v2.json").write_text(json.dumps(dict(data, format_version=2)))
+    with pytest.raises(ProfileMismatchError, match="profile format 2 is not 4"):
+        Profile.load(tmp_path / "v2.json")
+    del data["measured_full_step_us"]
+    (tmp_path / "lacks.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileMismatchError, match="lacks field"):
+        Profile.load(tmp_path / "lacks.json")
 
 
 # ---- real profiles ----
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny_cnn", "resnet18s"])
 def test_profile_has_one_timing_per_trainable_tensor(which, request):
     prof: Profile = request.getfixturevalue(f"{which}_profile")
+    loaded: LoadedModel = request.getfixturevalue(f"{which}_model")
     model = onnx_io.load_model(request.getfixturevalue(f"{which}_onnx"))
-    tensors = graph.trainable_tensors(model)
+    tensors = loaded.tensors
     assert prof.tensors == [t.name for t in tensors]
     assert prof.kinds == [t.kind for t in tensors]
     n = len(tensors)
@@ -151,13 +232,14 @@ def test_profile_has_one_timing_per_trainable_tensor(which, request):
     kernels = np.array([k == "kernel" for k in prof.kinds])
     assert np.all(prof.t_dw_us[kernels] > 0)
     assert prof.t_dy_us.sum() > 0
-    assert prof.forward_us > 0 and prof.full_step_us > 0
-    assert prof.batch_size == 4 and prof.input_shape == model_spec.input_shape(model)
+    assert prof.forward_us > 0 and prof.measured_full_step_us > 0
+    assert prof.batch_size == 4 and prof.input_shape == loaded.input_shape()
     assert prof.threads == THREADS and prof.ort_version.startswith("1.19")
     assert prof.model_hash == onnx_io.model_hash(model)
 
 
-def test_charged_node_times_account_for_the_profiled_graph(resnet18s_onnx, resnet18s_profile):
+@pytest.mark.slow
+def test_charged_node_times_account_for_the_profiled_graph(resnet18s_model, resnet18s_profile):
     prof = resnet18s_profile
     # Every node of the full training graph is charged exactly once: the node times (kernel +
     # per-node overhead) add up to forward pass + t_dw (less the optimizer's per-tensor part)
@@ -169,9 +251,7 @@ def test_charged_node_times_account_for_the_profiled_graph(resnet18s_onnx, resne
         if row["charge"] == "split":
             assert sum(p["us"] for p in row["parts"].values()) == pytest.approx(row["us"])
             assert len(row["observations"]) >= 2  # measured in more than one configuration
-    params = np.array(
-        [t.params for t in graph.trainable_tensors(onnx_io.load_model(resnet18s_onnx))]
-    )
+    params = np.array([t.params for t in resnet18s_model.tensors])
     optimizer_part = (prof.optimizer_per_tensor_us + prof.optimizer_per_element_us * params).sum()
     charged = prof.forward_pass_us + prof.t_dw_us.sum() - optimizer_part + prof.t_dy_us.sum()
     assert charged == pytest.approx(total_nodes, rel=1e-9)
@@ -181,6 +261,7 @@ def test_charged_node_times_account_for_the_profiled_graph(resnet18s_onnx, resne
     assert prof.t_dw_us.sum() + prof.t_dy_us.sum() > prof.forward_pass_us
 
 
+@pytest.mark.slow
 def test_conv_grad_is_split_by_measurement(resnet18s_profile):
     prof = resnet18s_profile
     splits = [r for r in prof.nodes if r["charge"] == "split"]
@@ -198,6 +279,7 @@ def test_conv_grad_is_split_by_measurement(resnet18s_profile):
     assert dx and all(r["parts"]["dx"]["charge"] == "dy" for r in dx)
 
 
+@pytest.mark.slow
 def test_branch_work_is_recorded_inside_t_dy(resnet18s_profile):
     """resnet18s has projection shortcuts: main-branch backward work is recorded as branch
     charges (already inside t_dy), and a mask training only a downsample kernel of a block
@@ -216,6 +298,7 @@ def test_branch_work_is_recorded_inside_t_dy(resnet18s_profile):
     assert prof.predicted_step_us(mask) < chain
 
 
+@pytest.mark.slow
 def test_optimizer_cost_is_measured_and_folded_into_t_dw(resnet18s_profile):
     prof = resnet18s_profile
     assert prof.optimizer_per_element_us > 0
@@ -223,6 +306,7 @@ def test_optimizer_cost_is_measured_and_folded_into_t_dw(resnet18s_profile):
     assert prof.optimizer_per_tensor_us + prof.optimizer_per_element_us * 1e5 > 0
 
 
+@pytest.mark.slow
 def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
     assert set(resnet18s_profile.checks) == {"full", "no_kernels", "first_only", "last_only"}
     assert 0.0 <= resnet18s_profile.forward_saved_fraction <= 1.0
@@ -230,12 +314,13 @@ def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
         assert check["predicted_us"] == pytest.approx(check["measured_us"], rel=0.25), name
 
 
+@pytest.mark.slow
 def test_save_load_round_trip(tiny_cnn_profile, tmp_path):
     path = tiny_cnn_profile.save(tmp_path / "p.json")
     data = json.loads(path.read_text())
     row = data["tensor_timings"][0]
     assert set(row) >= {"name", "kind", "t_dw_us", "t_dy_us"}
-    for key in ("forward_us", "full_step_us", "batch_size", "input_shape", "threads"):
+    for key in ("forward_us", "measured_full_step_us", "batch_size", "input_shape", "threads"):
         assert key in data
     for key in ("ort_version", "host", "model_hash"):
         assert data[key]
@@ -247,10 +332,11 @@ def test_save_load_round_trip(tiny_cnn_profile, tmp_path):
     assert back.forward_us == tiny_cnn_profile.forward_us
 
 
-def test_cache_hits_on_second_call(tiny_cnn_onnx, tiny_cnn_profile, cache_dir):
+@pytest.mark.slow
+def test_cache_hits_on_second_call(tiny_cnn_model, tiny_cnn_profile, cache_dir):
     start = time.perf_counter()
     again = profile_model(
-        tiny_cnn_onnx,
+        tiny_cnn_model,
         repeats=REPEATS,
         warmup=WARMUP,
         threads=THREADS,
@@ -262,14 +348,63 @@ def test_cache_hits_on_second_call(tiny_cnn_onnx, tiny_cnn_profile, cache_dir):
     assert again.profiling_s == tiny_cnn_profile.profiling_s
 
 
-def test_cached_profile_of_another_model_raises(tiny_cnn_onnx, tiny_cnn_profile, tmp_path):
-    model = onnx_io.load_model(tiny_cnn_onnx)
+@pytest.mark.slow
+def test_profile_reuses_the_callers_graph_and_artifacts(tiny_cnn_model, tmp_path, monkeypatch):
+    """On a profile-cache miss the tensor graph is built at most once, and the all-trainable
+    artifacts a caller generated through the same ArtifactCache are a hit."""
+    model = tiny_cnn_model
+    shape = model.input_shape()
+    model_b = model.with_batch(4, shape)
+    cache = ArtifactCache(tmp_path / "artifacts")
+    full, hit = cache.get(model_b, *model.split(np.ones(len(model.tensors), dtype=bool)))
+    assert not hit
+    tensor_graph = graph.build_tensor_graph(model_b, training_model=full.training_model)
+
+    hits = []
+    get = cache.get
+
+    def counting_get(*args, **kwargs):
+        paths, was_hit = get(*args, **kwargs)
+        hits.append((paths.directory, was_hit))
+        return paths, was_hit
+
+    monkeypatch.setattr(cache, "get", counting_get)
+    builds = []
+    build = graph.build_tensor_graph
+
+    def counting_build(*args, **kwargs):
+        builds.append(kwargs.get("training_model"))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(graph, "build_tensor_graph", counting_build)
+    kwargs = dict(repeats=2, warmup=1, threads=THREADS, clock=CLOCK)
+    prof = profile_model(model, tensor_graph=tensor_graph, artifact_cache=cache, **kwargs)
+    assert builds == []  # the caller's graph is used
+    assert (full.directory, True) in hits  # the full configuration's artifacts are reused
+    assert len(hits) == len(prof.checks) == 4  # full, no_kernels, first_only, last_only
+    assert prof.tensors == model.names
+
+    # Without them: artifacts in a temporary cache, the graph built once from the full
+    # configuration's training model.
+    again = profile_model(model, **kwargs)
+    assert len(builds) == 1 and str(builds[0]).endswith("training_model.onnx")
+    assert [r["op"] for r in again.nodes] == [r["op"] for r in prof.nodes]
+    # A graph of another generation of the training model (ORT numbers the loss node per
+    # process, so its node names differ) is not trusted: built once from the profiled one.
+    other = profile_model(model, tensor_graph=tensor_graph, **kwargs)
+    assert len(builds) == 2 and builds[1] != full.training_model
+    assert [r["op"] for r in other.nodes] == [r["op"] for r in prof.nodes]
+
+
+@pytest.mark.slow
+def test_cached_profile_of_another_model_raises(tiny_cnn_model, tiny_cnn_profile, tmp_path):
+    model = onnx_io.load_model(tiny_cnn_model.source)
     key = profile_key(tiny_cnn_profile.model_hash, tiny_cnn_profile.input_shape, 4, THREADS, CLOCK)
     stale = Profile.from_dict(tiny_cnn_profile.to_dict())
     stale.model_hash = "0" * 16
     stale.save(tmp_path / f"{key}.json")
     with pytest.raises(ProfileMismatchError, match="model"):
-        profile_model(tiny_cnn_onnx, threads=THREADS, cache_dir=tmp_path, clock=CLOCK)
+        profile_model(tiny_cnn_model, threads=THREADS, cache_dir=tmp_path, clock=CLOCK)
     prof = tiny_cnn_profile
     prof.check_matches(onnx_io.model_hash(model), batch_size=4, input_shape=prof.input_shape)
     with pytest.raises(ProfileMismatchError, match="batch size"):
@@ -282,21 +417,30 @@ def test_cached_profile_of_another_model_raises(tiny_cnn_onnx, tiny_cnn_profile,
         prof.check_matches(prof.model_hash, clock="wall")
 
 
-def test_bad_arguments_raise_config_error(tiny_cnn_onnx, tmp_path):
-    with pytest.raises(ConfigError):
-        profile_model(tiny_cnn_onnx, batch_size=0)
-    with pytest.raises(ConfigError):
-        profile_model(tiny_cnn_onnx, repeats=0)
+def test_bad_arguments_raise_config_error(tiny_cnn_model, tmp_path):
+    with pytest.raises(ConfigError, match="batch size must be a positive integer"):
+        profile_model(tiny_cnn_model, batch_size=0)
+    with pytest.raises(ConfigError, match="repeats must be >= 1"):
+        profile_model(tiny_cnn_model, repeats=0)
+    with pytest.raises(ConfigError, match="threads must be >= 1"):
+        profile_model(tiny_cnn_model, threads=0)
     with pytest.raises(ConfigError, match="threads 1"):
-        profile_model(tiny_cnn_onnx, threads=2, clock="cpu")
-    with pytest.raises(ConfigError):
+        profile_model(tiny_cnn_model, threads=2, clock="cpu")
+    with pytest.raises(ConfigError, match="clock must be one of"):
+        profile_model(tiny_cnn_model, threads=1, clock="sundial")
+    with pytest.raises(ConfigError, match="malformed"):
+        profile_model(tiny_cnn_model, input_shape=(3, 32))
+    with pytest.raises(ConfigError, match="does not exist"):
         Profile.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="not readable JSON"):
         Profile.load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="non-empty bool rows of length"):
+        measure_selection_steps_us(tiny_cnn_model, np.zeros((1, len(tiny_cnn_model.tensors))))
 
 
-def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_onnx, resnet18s_profile):
+@pytest.mark.slow
+def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_model, resnet18s_profile):
     """The real check: artifacts generated for masks the profiler never ran, real steps."""
     prof = resnet18s_profile
     n = len(prof.tensors)
@@ -306,19 +450,19 @@ def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_onnx, res
     masks[2, n // 2] = True  # one tensor in the middle: t_dy of everything after it
     masks[2, -1] = True
     measured, full = measure_selection_steps_us(
-        resnet18s_onnx, masks, threads=THREADS, repeats=REPEATS, warmup=WARMUP, clock=CLOCK
+        resnet18s_model, masks, threads=THREADS, repeats=REPEATS, warmup=WARMUP, clock=CLOCK
     )
     predicted = np.array(
         [timing.step_us(m, prof.t_dw_us, prof.t_dy_us, prof.forward_us) for m in masks]
     )
     # The machine is shared: each mask is measured round-robin with full training, and the
     # prediction is compared at the machine speed of that moment.
-    speed = full / prof.full_step_us
+    speed = full / prof.measured_full_step_us
     rel = predicted * speed / measured - 1.0
     assert np.all(np.abs(rel) < 0.25), (predicted, measured, full)
     # Sanity: these selective steps are faster than full ones, measured and predicted.
     assert np.all(measured < full)
-    assert np.all(predicted < prof.full_step_us)
+    assert np.all(predicted < prof.measured_full_step_us)
 
 
 def test_sessions_do_not_spin():

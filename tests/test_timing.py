@@ -78,14 +78,16 @@ def test_backward_us_many_matches_scalar(data):
 
 
 def test_budget_us_and_rho_validation():
-    assert budget_us(0.5, forward_us=100.0, full_step_us=1000.0) == pytest.approx(400.0)
-    assert budget_us(1.0, forward_us=100.0, full_step_us=1000.0) == pytest.approx(900.0)
-    assert budget_us(0.05, forward_us=100.0, full_step_us=1000.0) == pytest.approx(-50.0)
+    assert budget_us(0.5, forward_us=100.0, t_full_us=1000.0) == pytest.approx(400.0)
+    assert budget_us(1.0, forward_us=100.0, t_full_us=1000.0) == pytest.approx(900.0)
+    assert budget_us(0.05, forward_us=100.0, t_full_us=1000.0) == pytest.approx(-50.0)
     for bad in (0.0, -0.1, 1.01, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="rho"):
-            budget_us(bad, forward_us=100.0, full_step_us=1000.0)
-    with pytest.raises(ConfigError, match="full_step_us"):
-        budget_us(0.5, forward_us=100.0, full_step_us=0.0)
+            budget_us(bad, forward_us=100.0, t_full_us=1000.0)
+    with pytest.raises(ConfigError, match="t_full_us must be positive"):
+        budget_us(0.5, forward_us=100.0, t_full_us=0.0)
+    with pytest.raises(ConfigError, match="t_full_us must be positive"):
+        min_feasible_rho(T_DW, T_DY, 100.0, 0.0)
 
 
 def test_min_feasible_rho_is_the_boundary():
@@ -99,7 +101,7 @@ def test_min_feasible_rho_is_the_boundary():
     assert rho == pytest.approx((forward + 134.0) / full)
     sel = select_tensors(T_DW, T_DY, np.ones(7), budget_us(rho, forward, full))
     assert sel.count >= 1
-    with pytest.raises(InfeasibleBudgetError) as err:
+    with pytest.raises(InfeasibleBudgetError, match="raise rho to at least") as err:
         select_tensors(
             T_DW,
             T_DY,
@@ -165,5 +167,7 @@ def test_branch_charges_count_branch_work_only_where_it_runs():
     assert exact([]) == (0.0, 0.0)
     masks = np.array([[0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], dtype=bool)
     np.testing.assert_allclose(backward_us_many(masks, t_dw, t_dy, branches), [1.0, 101.0])
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="bad tensor indices"):
         BranchCharges.from_rows([{"tensor": 9, "prefix": 1, "extra": [3], "us": 1.0}], 6)
+    with pytest.raises(ConfigError, match="malformed branch charges"):
+        BranchCharges.from_rows([{"tensor": 1, "prefix": 1, "extra": [30], "us": 1.0}], 6)

@@ -1,0 +1,431 @@
+"""Measurements on ONNX Runtime: what the profiler and the time-model checks time (paper §5).
+
+Wall-clock time is measured, never FLOPs (``shared/ORT_NOTES.md``, "Profiling"). Every
+measurement is a *runner* stepped once per round by :func:`round_robin`, so a change of the
+machine's load hits all of them alike:
+
+* :class:`ProfiledGraph` — a ``training_model.onnx`` in a profiled plain ``InferenceSession``
+  (the training API cannot end profiling): per-node kernel times (:class:`NodeTiming`).
+* :class:`TrainStep` — real training steps (:class:`etgraph.sessions.TrainingSession`: Module
+  step + AdamW step + ``lazy_reset_grad``) of one set of artifacts.
+* :class:`OptimizerSubsets` — the one ``AdamWOptimizer`` node of ``optimizer_model.onnx``,
+  profiled on several subsets of the tensors.
+* :func:`measure_node_overhead_us` — the executor's cost per node outside its kernel.
+* :func:`measure_train_steps_us`, :func:`measure_selection_steps_us` — real steps of given
+  artifacts / selections: the ground truth the time model is validated against.
+
+Of repeated timings the :data:`TIME_QUANTILE` (20th percentile) is kept (:func:`robust_time`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from . import artifacts
+from .errors import ConfigError, ModelError
+from .host import physical_cores
+from .model import LoadedModel
+from .sessions import TrainingSession, inference_session, session_options
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLOCKS",
+    "TIME_QUANTILE",
+    "Batch",
+    "NodeTiming",
+    "OptimizerSubsets",
+    "ProfiledGraph",
+    "TrainStep",
+    "measure_node_overhead_us",
+    "measure_selection_steps_us",
+    "measure_train_steps_us",
+    "random_batch",
+    "robust_time",
+    "round_robin",
+    "step_clock",
+]
+
+#: Quantile of repeated timings used as "the" time of a node or step. A low quantile rather
+#: than the median: on a shared machine other processes only ever add time, so the lower end of
+#: the distribution is what is reproducible (the median of a 2-core box shared by busy
+#: neighbours moves by 2x between minutes). Same statistic for profiling and validation.
+TIME_QUANTILE = 0.2
+
+#: Clocks real steps can be timed by (:func:`step_clock`).
+CLOCKS = ("wall", "cpu")
+
+
+def step_clock(clock: str, threads: int):
+    """The timer for real steps (a callable returning seconds): ``"wall"`` =
+    ``time.perf_counter`` (the paper's wall clock, default); ``"cpu"`` = ``time.thread_time``,
+    the CPU time of the calling thread, which with one intra-op thread (ORT then runs every
+    kernel on the caller) is the step's compute time without the time other processes take the
+    core away — for validating the time model on a shared machine.
+
+    Raises:
+        ConfigError: unknown clock, or ``"cpu"`` with ``threads != 1`` (other threads' work
+            would not be counted).
+    """
+    if clock == "wall":
+        return time.perf_counter
+    if clock == "cpu":
+        if threads != 1:
+            raise ConfigError(
+                f"the cpu clock needs --threads 1 (got {threads}): use the wall clock"
+            )
+        return time.thread_time
+    raise ConfigError(f"clock must be one of {CLOCKS}, got {clock!r}")
+
+
+def robust_time(values) -> float:
+    """The :data:`TIME_QUANTILE` quantile (20th percentile) of repeated timings, same unit as
+    the input."""
+    return float(np.quantile(np.asarray(values, dtype=np.float64), TIME_QUANTILE))
+
+
+@dataclass
+class NodeTiming:
+    """One node of a training graph: op type, outputs (``""`` = not computed), kernel time in
+    µs (:func:`robust_time` of its runs)."""
+
+    op: str
+    outputs: list[str]
+    us: float
+
+
+@dataclass
+class Batch:
+    """One fixed training batch: ``inputs`` float32 [B, C, H, W], ``labels`` int64 [B]."""
+
+    inputs: np.ndarray
+    labels: np.ndarray
+
+
+def random_batch(batch_size: int, input_shape: Sequence[int], num_classes: int) -> Batch:
+    """A reproducible random batch (seed 0): standard-normal inputs, labels in [0, K)."""
+    rng = np.random.default_rng(0)
+    return Batch(
+        inputs=rng.standard_normal((batch_size, *input_shape)).astype(np.float32),
+        labels=rng.integers(0, num_classes, size=batch_size).astype(np.int64),
+    )
+
+
+def _training_feeds(session, weights: dict[str, np.ndarray], batch: Batch) -> dict:
+    """Feeds for ``training_model.onnx`` run as a plain inference session: the batch, the
+    parameters, zero ``<param>_grad.accumulation.buffer`` s and ``lazy_reset_grad=[True]``.
+
+    Raises:
+        ModelError: an input is neither data nor a parameter in ``weights``.
+    """
+    feeds = {}
+    for inp in session.get_inputs():
+        name = inp.name
+        if name == "input":
+            feeds[name] = batch.inputs
+        elif name == "labels":
+            feeds[name] = batch.labels
+        elif name == "lazy_reset_grad":
+            feeds[name] = np.array([True])
+        elif name.endswith("_grad.accumulation.buffer"):
+            param = name[: -len("_grad.accumulation.buffer")]
+            feeds[name] = np.zeros_like(weights[param])
+        elif name in weights:
+            feeds[name] = weights[name]
+        else:
+            raise ModelError(f"training graph input {name!r} is neither data nor a parameter")
+    return feeds
+
+
+def _kernel_events(trace_path: str) -> list[dict]:
+    """The ``<node>_kernel_time`` events of an ORT JSON trace, in time order; deletes the file."""
+    with open(trace_path) as fh:
+        events = json.load(fh)
+    Path(trace_path).unlink(missing_ok=True)
+    return [
+        e
+        for e in sorted(events, key=lambda e: e.get("ts", 0))
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
+    ]
+
+
+class ProfiledGraph:
+    """A ``training_model.onnx`` in a profiled plain ``InferenceSession`` (one run per round).
+
+    Args:
+        training_model: path of the training graph (:func:`etgraph.artifacts.generate`).
+        weights: every parameter the graph takes as input (trainable and frozen), by name.
+        batch: the input batch and labels.
+        threads: intra-op threads. work_dir: where ORT writes its JSON trace.
+    """
+
+    def __init__(self, training_model, weights, batch: Batch, *, threads, work_dir):
+        self.path = Path(training_model)
+        prefix = str(Path(work_dir) / f"ort_trace_{self.path.parent.name}")
+        self.session = inference_session(self.path, session_options(threads, prefix))
+        self.feeds = _training_feeds(self.session, weights, batch)
+
+    def step(self) -> None:
+        self.session.run(None, self.feeds)
+
+    def result(self, warmup: int) -> dict[str, NodeTiming]:
+        """``{node name: NodeTiming}`` of every node that ran: :func:`robust_time` of its
+        kernel durations (µs) after dropping its first ``warmup`` runs. Ends profiling."""
+        durations: dict[str, list[float]] = defaultdict(list)
+        for ev in _kernel_events(self.session.end_profiling()):
+            durations[ev["name"][: -len("_kernel_time")]].append(float(ev["dur"]))
+        times = {
+            node: robust_time(d[warmup:] if len(d) > warmup else d) for node, d in durations.items()
+        }
+        graph = onnx.load(str(self.path), load_external_data=False).graph
+        return {
+            node.name: NodeTiming(node.op_type, list(node.output), times[node.name])
+            for node in graph.node
+            if node.name in times
+        }
+
+
+class TrainStep:
+    """Real training steps of one set of artifacts (one step per round), timed by ``clock``.
+
+    The session (:class:`etgraph.sessions.TrainingSession`) starts from the artifacts' own
+    ``checkpoint``; a step is ``Module(input, labels)`` + ``Optimizer.step()`` +
+    ``lazy_reset_grad()``.
+    """
+
+    def __init__(self, artifact_dir, batch: Batch, *, threads, clock="wall"):
+        self.clock = step_clock(clock, threads)
+        d = Path(artifact_dir)
+        self.batch = batch
+        self.session = TrainingSession(d, d / "checkpoint", threads)
+        self.times: list[float] = []
+
+    def step(self) -> None:
+        t0 = self.clock()
+        self.session.step(self.batch.inputs, self.batch.labels)
+        self.times.append(self.clock() - t0)
+
+    def result(self, warmup: int) -> float:
+        """:func:`robust_time` of the steps after the first ``warmup``, µs."""
+        return robust_time(self.times[warmup:]) * 1e6
+
+
+class OptimizerSubsets:
+    """The ``AdamWOptimizer`` node, profiled on several subsets of tensors (each once per round).
+
+    The optimizer model takes sequences, so one model serves every subset.
+
+    Args:
+        optimizer_model: ``optimizer_model.onnx`` of any artifacts of the model.
+        params: trainable tensors by name (float32 arrays).
+        subsets: lists of names (:func:`etgraph.fold.optimizer_subsets`).
+        threads: intra-op threads. work_dir: where ORT writes its JSON trace.
+    """
+
+    def __init__(self, optimizer_model, params, subsets, *, threads, work_dir):
+        self.session = inference_session(
+            optimizer_model,
+            session_options(threads, str(Path(work_dir) / "ort_trace_optimizer")),
+        )
+        self.subsets = [list(s) for s in subsets]
+        self.feeds = [
+            {
+                "learning_rate": np.array([1e-4], np.float32),
+                "step": np.array([1], np.int64),
+                "params": [params[n].copy() for n in s],
+                "gradients": [np.full_like(params[n], 1e-3) for n in s],
+                "first_order_moments": [np.zeros_like(params[n]) for n in s],
+                "second_order_moments": [np.zeros_like(params[n]) for n in s],
+            }
+            for s in self.subsets
+        ]
+        self.sizes = [(len(s), sum(params[n].size for n in s)) for s in self.subsets]
+        self.rounds = 0
+
+    def step(self) -> None:
+        for feeds in self.feeds:
+            self.session.run(None, feeds)
+        self.rounds += 1
+
+    def result(self, warmup: int) -> list[tuple[int, int, float]]:
+        """``(tensor count, elements, kernel µs)`` per subset (:func:`robust_time` after
+        ``warmup`` rounds). Ends profiling.
+
+        Raises:
+            ModelError: the trace does not have one kernel event per subset and round.
+        """
+        durs = [float(e["dur"]) for e in _kernel_events(self.session.end_profiling())]
+        k = len(self.feeds)
+        if len(durs) != k * self.rounds:
+            raise ModelError(
+                f"optimizer trace has {len(durs)} kernel events, expected {k * self.rounds}"
+            )
+        per_subset = np.array(durs).reshape(self.rounds, k)[warmup:]
+        return [
+            (count, elements, robust_time(per_subset[:, i]))
+            for i, (count, elements) in enumerate(self.sizes)
+        ]
+
+
+def round_robin(runners: Sequence, repeats: int, warmup: int) -> None:
+    """Step every runner once per round for ``warmup + repeats`` rounds, so that changes of the
+    machine's load hit every measurement alike (the machine may be shared)."""
+    for _ in range(warmup + repeats):
+        for runner in runners:
+            runner.step()
+
+
+def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 30) -> float:
+    """Executor cost per node outside its kernel (µs, >= 0): wall time (:func:`robust_time`) of
+    a chain of ``nodes`` trivial ``Neg`` nodes on a 1-element tensor, minus a 1-node chain,
+    divided by ``nodes - 1``."""
+
+    def chain(k: int) -> bytes:
+        body = [helper.make_node("Neg", [f"t{i}"], [f"t{i + 1}"]) for i in range(k)]
+        g = helper.make_graph(
+            body,
+            "chain",
+            [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info(f"t{k}", TensorProto.FLOAT, [1])],
+        )
+        return helper.make_model(
+            g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9
+        ).SerializeToString()
+
+    so = session_options(threads)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    x = {"t0": np.ones(1, np.float32)}
+    chain_s = []
+    for k in (1, nodes):
+        sess = inference_session(chain(k), so)
+        times = []
+        for _ in range(repeats + 3):
+            t0 = time.perf_counter()
+            sess.run(None, x)
+            times.append(time.perf_counter() - t0)
+        chain_s.append(robust_time(times[3:]))
+    return max(0.0, (chain_s[1] - chain_s[0]) * 1e6 / (nodes - 1))
+
+
+def measure_train_steps_us(
+    artifact_dirs: Sequence[str | os.PathLike],
+    batch: Batch,
+    *,
+    threads: int,
+    repeats: int,
+    warmup: int,
+    clock: str = "wall",
+) -> list[float]:
+    """:func:`robust_time` (20th percentile, µs) of one real training step for each set of
+    artifacts.
+
+    A step is what ``onnxruntime.training.api`` does per batch: ``Module(input, labels)``
+    (forward + backward + gradient accumulation), ``Optimizer.step()`` (AdamW) and
+    ``Module.lazy_reset_grad()`` (:class:`TrainStep`). The artifact sets are stepped round-robin
+    (one step each per round), so a change of machine load hits all of them alike and their
+    ratios stay right.
+
+    Args:
+        artifact_dirs: directories of the four artifacts (:class:`etgraph.artifacts.ArtifactPaths`).
+        batch: input and labels. threads: intra-op threads. repeats, warmup: rounds.
+        clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
+
+    Returns:
+        One time per directory, µs, in the given order.
+
+    Raises:
+        ConfigError: bad clock (:func:`step_clock`).
+    """
+    runners = [TrainStep(d, batch, threads=threads, clock=clock) for d in artifact_dirs]
+    round_robin(runners, repeats, warmup)
+    return [r.result(warmup) for r in runners]
+
+
+def measure_selection_steps_us(
+    model: LoadedModel,
+    masks,
+    *,
+    batch_size: int = 4,
+    input_shape: Sequence[int] | None = None,
+    threads: int | None = None,
+    repeats: int = 10,
+    warmup: int = 3,
+    work_dir: str | os.PathLike | None = None,
+    clock: str = "wall",
+    group: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Measured step times (µs) of training exactly the tensors of each mask.
+
+    For each mask, artifacts are generated (``requires_grad`` = selected tensors; the others and
+    the BatchNorm running statistics frozen, :meth:`LoadedModel.split`); groups of ``group``
+    masks are stepped round-robin with the full-training artifacts
+    (:func:`measure_train_steps_us`), so each mask also gets a full step measured under the same
+    machine load. This is the ground truth :func:`etgraph.timing.step_us` is validated against
+    (tests, ``benchmarks/time_model.py``).
+
+    Args:
+        model: the loaded model. masks: bool [K, N], forward order, no empty row.
+        batch_size, input_shape, threads, repeats, warmup: as in
+            :func:`etgraph.profiler.profile_model`.
+        work_dir: where the artifacts go (default: a temporary directory, removed).
+        clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
+        group: masks per round-robin group (more = fewer full steps, more memory).
+
+    Returns:
+        ``(mask_us float64 [K], full_us float64 [K])``: each mask's step and the full step of
+        its group.
+
+    Raises:
+        ConfigError: a mask is empty or has the wrong length; bad input shape or clock.
+        ModelError: ORT cannot build or run the training graph.
+    """
+    shape = model.input_shape(input_shape)
+    threads = physical_cores() if threads is None else int(threads)
+    step_clock(clock, threads)
+    n = len(model.tensors)
+    masks = np.atleast_2d(np.asarray(masks, dtype=bool))
+    if masks.shape[1] != n or not masks.any(axis=1).all():
+        raise ConfigError(f"selection masks must be non-empty bool rows of length {n}")
+    if model.num_classes is None:
+        raise ModelError(f"model output {model.output_name!r} must be [B, K] with a static K")
+    model_b = model.with_batch(batch_size, shape)
+    batch = random_batch(batch_size, shape, model.num_classes)
+    mask_us = np.zeros(len(masks))
+    full_us = np.zeros(len(masks))
+    with tempfile.TemporaryDirectory(prefix="etgraph-steps-", dir=work_dir) as work:
+        full_dir = artifacts.generate(
+            model_b, *model.split(np.ones(n, dtype=bool)), Path(work) / "full"
+        ).directory
+        for start in range(0, len(masks), group):
+            dirs = [
+                artifacts.generate(model_b, *model.split(masks[k]), Path(work) / f"m{k}").directory
+                for k in range(start, min(start + group, len(masks)))
+            ]
+            times = measure_train_steps_us(
+                [*dirs, full_dir],
+                batch,
+                threads=threads,
+                repeats=repeats,
+                warmup=warmup,
+                clock=clock,
+            )
+            mask_us[start : start + len(dirs)] = times[:-1]
+            full_us[start : start + len(dirs)] = times[-1]
+            log.info("selections %d-%d measured", start, start + len(dirs) - 1)
+            for d in dirs:
+                shutil.rmtree(d, ignore_errors=True)
+    return mask_us, full_us

@@ -1,0 +1,289 @@
+"""The profile of one model on one device, and its cache (paper §5).
+
+* :class:`Profile` — measured per-tensor ``t_dw_us`` / ``t_dy_us`` (float64 [N], µs, forward
+  order), the selection-independent ``forward_us`` and how they were obtained; JSON to and from
+  disk (:meth:`Profile.save`, :meth:`Profile.load`), :meth:`Profile.check_matches` against the
+  setting it is used in, the time model's ``T_full`` (:attr:`Profile.t_full_us`) and a
+  selection's predicted step (:meth:`Profile.predicted_step_us`).
+* :func:`default_cache_dir`, :func:`profile_key` — where :func:`etgraph.profiler.profile_model`
+  caches profiles and under which name.
+
+JSON format (``format_version``): 4 names the measured full step ``measured_full_step_us``;
+format 3 called it ``full_step_us`` and still loads (the key is mapped). Profiles of other
+formats raise :class:`~etgraph.errors.ProfileMismatchError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError, ProfileMismatchError
+from .files import write_json_atomic
+from .timing import BranchCharges, step_us
+
+__all__ = [
+    "PROFILE_FORMAT_VERSION",
+    "Profile",
+    "default_cache_dir",
+    "format_shape",
+    "profile_key",
+]
+
+#: JSON format written by :meth:`Profile.to_dict`. 2: branch charges; 3: measured without
+#: thread-pool spinning; 4: ``full_step_us`` renamed ``measured_full_step_us``.
+PROFILE_FORMAT_VERSION = 4
+
+#: Older formats :meth:`Profile.from_dict` still reads, with the keys renamed since.
+_RENAMED_KEYS = {3: {"full_step_us": "measured_full_step_us"}}
+
+#: Version of the measurement method in :func:`profile_key`. Bumped when what is measured
+#: changes (format 3: no spinning), not for JSON renames: a cached format-3 profile measured
+#: the same way still hits.
+_METHOD_VERSION = 3
+
+
+@dataclass
+class Profile:
+    """Measured per-tensor timings of one model on this device (paper §5).
+
+    Attributes:
+        model_hash: :func:`etgraph.onnx_io.model_hash` of the profiled model.
+        tensors: trainable tensor names, forward order (index 0 nearest the input), length N.
+        kinds: tensor kinds (kernel, bias, gamma, beta, embedding, ...), length N.
+        t_dw_us: float64 [N] µs: time to compute (and apply with AdamW) tensor k's own gradient;
+            paid iff tensor k is selected.
+        t_dy_us: float64 [N] µs: time of the error-gradient work charged to tensor k; paid iff the
+            earliest selected tensor is at or before k.
+        forward_us: µs paid by every step whatever the selection: ``forward_pass_us +
+            optimizer_fixed_us + step_overhead_us``.
+        measured_full_step_us: MEASURED step (:func:`etgraph.measure.robust_time`, the 20th
+            percentile) with all tensors trainable (training API), µs. Not ``T_full``: that is
+            :attr:`t_full_us`, the time model's full step.
+        batch_size, input_shape (C, H, W), threads (intra-op threads), ort_version, host.
+        clock: how real steps were timed, ``"wall"`` or ``"cpu"``
+            (:func:`etgraph.measure.step_clock`).
+        forward_pass_us: forward + loss kernels (+ per-node overhead), µs.
+        optimizer_fixed_us, optimizer_per_tensor_us, optimizer_per_element_us: AdamW fit, µs
+            (:class:`etgraph.fold.OptimizerFit`).
+        node_overhead_us: executor cost per node outside its kernel, µs.
+        step_overhead_us: measured step minus what nodes and optimizer explain, mean over the
+            profiled configurations (:func:`etgraph.fold.calibrate`), µs.
+        forward_saved_fraction: share of a layer's forward time saved when no gradient passes
+            it (:func:`etgraph.fold.saved_forward_fraction`); that share is on ``t_dy_us`` of the
+            layer's anchor tensor, the rest in ``forward_pass_us``.
+        repeats, warmup: runs per measurement.
+        profiling_s: wall time the profiling took, s.
+        checks: ``{configuration: {"measured_us", "predicted_us", "trainable"}}`` for the
+            configurations profiled (a built-in validation of the time model).
+        nodes: per backward-graph node ``{name, op, us, charge, tensor}`` of the full graph.
+        branches: ``t_dy`` work of ops on parallel branches (D(o) not a prefix), grouped:
+            ``[{"tensor", "prefix", "extra": [indices], "us"}]``
+            (:class:`~etgraph.timing.BranchCharges`); already inside ``t_dy_us``, used to count
+            it exactly.
+    """
+
+    model_hash: str
+    tensors: list[str]
+    kinds: list[str]
+    t_dw_us: np.ndarray
+    t_dy_us: np.ndarray
+    forward_us: float
+    measured_full_step_us: float
+    batch_size: int
+    input_shape: tuple[int, ...]
+    threads: int
+    ort_version: str
+    host: str
+    clock: str = "wall"
+    forward_pass_us: float = 0.0
+    optimizer_fixed_us: float = 0.0
+    optimizer_per_tensor_us: float = 0.0
+    optimizer_per_element_us: float = 0.0
+    node_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
+    forward_saved_fraction: float = 0.0
+    repeats: int = 0
+    warmup: int = 0
+    profiling_s: float = 0.0
+    checks: dict = field(default_factory=dict)
+    nodes: list = field(default_factory=list)
+    branches: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.t_dw_us = np.asarray(self.t_dw_us, dtype=np.float64)
+        self.t_dy_us = np.asarray(self.t_dy_us, dtype=np.float64)
+        self.input_shape = tuple(int(d) for d in self.input_shape)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (format :data:`PROFILE_FORMAT_VERSION`); per-tensor rows under
+        ``"tensor_timings"``."""
+        out = {"format_version": PROFILE_FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name in ("tensors", "kinds", "t_dw_us", "t_dy_us"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        out["tensor_timings"] = [
+            {"index": i, "name": n, "kind": k, "t_dw_us": float(dw), "t_dy_us": float(dy)}
+            for i, (n, k, dw, dy) in enumerate(
+                zip(self.tensors, self.kinds, self.t_dw_us, self.t_dy_us, strict=True)
+            )
+        ]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        """Inverse of :meth:`to_dict`; also reads format 3 (``full_step_us`` is mapped to
+        ``measured_full_step_us``).
+
+        Raises:
+            ProfileMismatchError: another format version.
+            KeyError, TypeError: a required field is missing or malformed.
+        """
+        version = data.get("format_version")
+        if version != PROFILE_FORMAT_VERSION and version not in _RENAMED_KEYS:
+            raise ProfileMismatchError(
+                f"profile format {version!r} is not {PROFILE_FORMAT_VERSION}: "
+                "re-run `etgraph profile`"
+            )
+        renamed = _RENAMED_KEYS.get(version, {})
+        rows = data["tensor_timings"]
+        kwargs = {
+            renamed.get(k, k): v
+            for k, v in data.items()
+            if k not in ("format_version", "tensor_timings")
+        }
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in kwargs.items() if k in known}
+        return cls(
+            tensors=[r["name"] for r in rows],
+            kinds=[r["kind"] for r in rows],
+            t_dw_us=[r["t_dw_us"] for r in rows],
+            t_dy_us=[r["t_dy_us"] for r in rows],
+            **kwargs,
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile as JSON (format :data:`PROFILE_FORMAT_VERSION`) atomically
+        (:func:`etgraph.files.write_json_atomic`); returns the path."""
+        return write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """Read a profile written by :meth:`save` (format 4, or 3).
+
+        Raises:
+            ConfigError: the file is missing or not valid JSON.
+            ProfileMismatchError: the file is a profile of another format version, or lacks a
+                field.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"profile {path} does not exist: run `etgraph profile`") from exc
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"profile {path} is not readable JSON ({exc}): delete it") from exc
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError) as exc:
+            raise ProfileMismatchError(
+                f"profile {path} lacks field {exc}: re-run `etgraph profile`"
+            ) from exc
+
+    def check_matches(
+        self,
+        model_hash: str,
+        *,
+        batch_size: int | None = None,
+        input_shape: Sequence[int] | None = None,
+        threads: int | None = None,
+        clock: str | None = None,
+    ) -> None:
+        """Raise :class:`ProfileMismatchError` unless this profile fits the given setting.
+
+        Args:
+            model_hash: :func:`etgraph.onnx_io.model_hash` of the model it is used for.
+            batch_size, input_shape, threads, clock: checked when given.
+        """
+        if model_hash != self.model_hash:
+            raise ProfileMismatchError(
+                f"profile is of model {self.model_hash[:12]}, not {model_hash[:12]}: "
+                "profile this model (`etgraph profile MODEL.onnx`)"
+            )
+        if batch_size is not None and int(batch_size) != self.batch_size:
+            raise ProfileMismatchError(
+                f"profile was measured at batch size {self.batch_size}, not {batch_size}: "
+                "re-profile with --batch-size"
+            )
+        if input_shape is not None and tuple(int(d) for d in input_shape) != self.input_shape:
+            raise ProfileMismatchError(
+                f"profile was measured at input shape {format_shape(self.input_shape)}, not "
+                f"{format_shape(input_shape)}: re-profile with --input-shape"
+            )
+        if threads is not None and int(threads) != self.threads:
+            raise ProfileMismatchError(
+                f"profile was measured with {self.threads} threads, not {threads}: "
+                "re-profile with --threads"
+            )
+        if clock is not None and clock != self.clock:
+            raise ProfileMismatchError(
+                f"profile timed steps with the {self.clock} clock, not {clock}: re-profile"
+            )
+
+    @property
+    def t_full_us(self) -> float:
+        """``T_full`` of paper Eq. (1): the time model's step with every tensor selected, in µs.
+
+        The budget ``rho * T_full`` compares two estimates of the same time model (the paper's
+        ``T_selective(M) <= rho * T_full``), so ``rho = 1`` always admits every tensor, however
+        noisy the measurement ``measured_full_step_us`` was; that stays the measurement that
+        validates the model.
+        """
+        return float(self.forward_us + self.t_dw_us.sum() + self.t_dy_us.sum())
+
+    @property
+    def branch_charges(self) -> BranchCharges:
+        """:class:`etgraph.timing.BranchCharges` of :attr:`branches`.
+
+        Raises:
+            ConfigError: malformed branch rows.
+        """
+        return BranchCharges.from_rows(self.branches, len(self.tensors))
+
+    def predicted_step_us(self, mask) -> float:
+        """:func:`etgraph.timing.step_us` of ``mask`` (bool [N]) with this profile's timings,
+        branch work counted exactly, µs."""
+        return step_us(mask, self.t_dw_us, self.t_dy_us, self.forward_us, self.branch_charges)
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``"3x32x32"`` for ``(3, 32, 32)``."""
+    return "x".join(str(int(d)) for d in shape)
+
+
+def default_cache_dir() -> Path:
+    """Default profile cache: ``$ETGRAPH_CACHE/profiles``, else ``~/.cache/etgraph/profiles``."""
+    root = os.environ.get("ETGRAPH_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "etgraph"
+    return base / "profiles"
+
+
+def profile_key(
+    model_hash: str, input_shape: Sequence[int], batch_size: int, threads: int, clock: str = "wall"
+) -> str:
+    """Cache key of a profile (16 hex digits): sha256 over model hash, input shape (C, H, W),
+    batch size, threads, clock and the measurement method's version."""
+    text = (
+        f"{model_hash}|{format_shape(input_shape)}|{int(batch_size)}|{int(threads)}|{clock}"
+        f"|v{_METHOD_VERSION}"
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
