@@ -36,9 +36,10 @@ once and kept: an evaluation costs about one full training step (a re-selection 
 must stay under 2% of the period, issue #6).
 
 **Without disturbing training.** The evaluation uses its own artifacts (all tensors trainable,
-cached once), its own CheckpointState and Module; every evaluation first overwrites all their
-weights and BatchNorm running statistics with the given ones, so the training session's
-weights, moments and statistics are never touched and one evaluation cannot leak into the next.
+cached once) and its own :class:`etgraph.sessions.GradientSession` (a Module without optimizer);
+every evaluation first overwrites all its weights and BatchNorm running statistics with the
+given ones, so the training session's weights, moments and statistics are never touched and one
+evaluation cannot leak into the next.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ import numpy as np
 import onnx
 
 from .artifacts import ArtifactCache, ArtifactPaths
+from .data import load_dataset
 from .errors import ConfigError
-from .sessions import session_options
+from .model import LoadedModel
+from .sessions import GradientSession
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +182,8 @@ class ImportanceResult:
         importance: float64 [N], forward order (see :func:`tensor_importance`).
         loss: mean training loss over the probe batches at the current weights.
         cost_s: wall time of the whole evaluation (session creation, steps, read-back), seconds.
-        session_s: part of ``cost_s`` spent creating the Module (first evaluation only) and
-            writing the weights into it.
+        session_s: part of ``cost_s`` spent opening the gradient session (first evaluation
+            only) and writing the weights into it.
     """
 
     importance: np.ndarray
@@ -193,9 +196,10 @@ class ImportanceEvaluator:
     """Evaluates tensor importance with one AdamW step of all tensors on probe batches (§4).
 
     Args:
-        model: the forward ONNX model (legalised for training).
-        tensor_names: trainable tensor names in forward order (``graph.trainable_tensors``).
-        frozen_names: other parameters to carry (BatchNorm running statistics).
+        model: the forward ONNX model (legalised for training; :attr:`LoadedModel.proto`).
+        tensor_names: trainable tensor names in forward order (:attr:`LoadedModel.names`).
+        frozen_names: other parameters to carry (BatchNorm running statistics,
+            :attr:`LoadedModel.running_stats`).
         cache: artifact cache; the all-trainable artifacts are generated once and reused.
         weight_decay: AdamW weight decay, the run's value (it enters delta_w).
         threads: ORT intra-op threads (None = ORT's default), the run's setting.
@@ -224,24 +228,13 @@ class ImportanceEvaluator:
         )
         self.setup_s = time.perf_counter() - t0
         self.weight_decay = float(weight_decay)
-        self._module = None  # (CheckpointState, Module), built at the first evaluation
+        self._session: GradientSession | None = None  # opened at the first evaluation
         self._scratch = np.empty((3, _CHUNK), dtype=np.float32)  # see _adamw_importance
         log.debug("importance artifacts %s (cache hit: %s)", self.paths.directory, hit)
 
-    def _session(self):
-        from onnxruntime.training.api import CheckpointState, Module
-
-        if self._module is None:
-            state = CheckpointState.load_checkpoint(str(self.paths.checkpoint))
-            module = Module(
-                str(self.paths.training_model), state, session_options=session_options(self.threads)
-            )
-            self._module = (state, module)
-        return self._module
-
     def close(self) -> None:
-        """Release the ORT session (the next evaluation builds it again)."""
-        self._module = None
+        """Release the ORT session (the next evaluation opens it again)."""
+        self._session = None
 
     def evaluate(
         self,
@@ -273,26 +266,19 @@ class ImportanceEvaluator:
         if missing:
             raise ConfigError(f"no current value for tensor {missing[0]!r}")
         t0 = time.perf_counter()
-        state, module = self._session()
-        # Write through the zero-copy views (assigning parameters[name] = a segfaults in 1.19.2
-        # before a Module exists; the views are safe).
-        params = state.parameters
-        for name in self.tensor_names + self.frozen_names:
-            params[name].data[...] = weights[name]
+        if self._session is None:
+            self._session = GradientSession(self.paths.directory, self.threads)
+        session = self._session
+        session.set_parameters(weights, self.tensor_names + self.frozen_names)
         session_s = time.perf_counter() - t0
 
-        module.train()
-        module.lazy_reset_grad()  # drop the previous evaluation's gradients at the next call
-        losses = []
-        for x, y in batches:
-            out = module(x, y)
-            losses.append(float(out[0] if isinstance(out, (tuple, list)) else out))
+        losses = session.accumulate(batches)
         if not losses:
             raise ConfigError("importance needs at least one probe batch")
         importance = np.array(
             [
                 _adamw_importance(
-                    params[name].grad,  # a zero-copy view of the accumulated gradient
+                    session.gradient(name),  # a zero-copy view of the accumulated gradient
                     weights[name],
                     learning_rate,
                     self.weight_decay,
@@ -308,7 +294,7 @@ class ImportanceEvaluator:
 
 
 def probe_importance(
-    model: onnx.ModelProto,
+    model: LoadedModel,
     data: str | None,
     *,
     batch_size: int,
@@ -319,48 +305,39 @@ def probe_importance(
     seed: int = 0,
     cache_dir: str | os.PathLike | None = None,
 ) -> np.ndarray:
-    """Importance of every trainable tensor of ``model`` at its current weights (paper Eq. 2).
+    """Importance of every trainable tensor of ``model`` at its initial weights (paper Eq. 2).
 
     Convenience for ``etgraph compile``: loads ``data`` (``None`` = embedded default), takes
-    ``probe_batches`` probe batches of ``batch_size``, and runs :class:`ImportanceEvaluator`.
+    ``probe_batches`` probe batches of ``batch_size``, and runs :class:`ImportanceEvaluator` at
+    :meth:`LoadedModel.initial_weights`.
 
     Args:
-        model: forward ONNX model (one input, output ``logits``).
+        model: the loaded model (one input, output ``logits``; :class:`etgraph.model.LoadedModel`).
         data: dataset spec (see :func:`etgraph.data.load_dataset`).
         batch_size: probe batch size (> 0).
         input_shape: ``(C, H, W)``.
         learning_rate, weight_decay: of the AdamW step that defines delta_w.
         probe_batches: number of probe batches whose gradients are averaged.
-        seed: probe-batch seed.
+        seed: probe-batch seed (batch ``i`` uses ``seed + i``).
         cache_dir: artifact cache root (default: a temporary directory, removed afterwards).
 
     Returns:
-        float64 [N], forward order.
+        float64 [N], forward order (``model.names``).
 
     Raises:
-        DataError: the dataset cannot be loaded. ModelError: the training graph cannot be built.
+        DataError: the dataset cannot be loaded, or its labels exceed the model's classes.
+        ModelError: the training graph cannot be built.
     """
-    from onnx import numpy_helper
-
-    from . import graph
-    from .data import load_dataset
-
-    tensors = graph.trainable_tensors(model)
-    names = [t.name for t in tensors]
-    frozen = list(graph.running_statistics(model))
-    weights = {
-        init.name: numpy_helper.to_array(init)
-        for init in model.graph.initializer
-        if init.name in set(names) | set(frozen)
-    }
-    out_dims = model.graph.output[0].type.tensor_type.shape.dim
-    num_classes = out_dims[-1].dim_value if len(out_dims) and out_dims[-1].dim_value > 0 else None
     # labels >= the model's outputs must never reach ORT's loss: DataError names the folders
-    dataset = load_dataset(data, input_shape=tuple(input_shape), num_classes=num_classes)
+    dataset = load_dataset(data, input_shape=tuple(input_shape), num_classes=model.num_classes)
     batches = [dataset.probe_batch(batch_size, seed + i) for i in range(probe_batches)]
     with tempfile.TemporaryDirectory(prefix="etgraph-importance-") as tmp:
         root = Path(cache_dir) if cache_dir is not None else Path(tmp)
         evaluator = ImportanceEvaluator(
-            model, names, frozen, ArtifactCache(root), weight_decay=weight_decay
+            model.proto,
+            model.names,
+            model.running_stats,
+            ArtifactCache(root),
+            weight_decay=weight_decay,
         )
-        return evaluator.evaluate(weights, batches, learning_rate).importance
+        return evaluator.evaluate(model.initial_weights(), batches, learning_rate).importance

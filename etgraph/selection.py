@@ -6,8 +6,8 @@ maximising ``sum(M * importance)`` subject to
 
     backward_us(M) = sum(M * t_dw_us) + sum(t_dy_us[e(M):])  <=  budget_us,
 
-where ``e(M)`` is the earliest selected tensor and ``budget_us = rho * full_step_us - forward_us``
-(:func:`etgraph.timing.budget_us`).
+where ``e(M)`` is the earliest selected tensor and ``budget_us = rho * t_full_us - forward_us``
+(:func:`etgraph.timing.budget_us`; ``t_full_us`` is the time model's full step T_full).
 
 Solvers (same signature, all return a :class:`Selection`):
 
@@ -18,8 +18,15 @@ Solvers (same signature, all return a :class:`Selection`):
   ``importance``) gives ``value(e) = importance[e] + F_{e+1}[B - sum(t_dy[e:]) - t_dw[e]]``.
 * :func:`select_naive_dp` — the paper's O(N^2*T) recurrence (§6.2, Eq. 4) transcribed directly;
   the oracle and baseline of ``benchmarks/dp.py`` and the tests.
-* :func:`select_topk` and :func:`select_prefix` — comparison baselines under the same budget and
-  the same time model.
+* :func:`select_topk` and :func:`select_backward_prefix` — comparison baselines under the same
+  budget and the same time model.
+
+Strategies (what ``etgraph train --strategy`` and ``compile`` run):
+
+* :func:`select_for_rho` — THE "budget, then select" step: the budget of a step-time ratio
+  ``rho`` from a profile, then the budgeted strategy (``elastic`` = the DP, ``topk``, ``prefix``).
+* :func:`strategy_mask` — the mask of any strategy in :data:`STRATEGIES` (the budget-free
+  ``full``, ``last-layer``, ``bn-bias`` and, through :func:`select_for_rho`, the budgeted ones).
 
 Pure numpy: no ONNX Runtime or torch import here.
 """
@@ -47,17 +54,22 @@ __all__ = [
     "select_tensors",
     "select_naive_dp",
     "select_topk",
-    "select_prefix",
+    "select_backward_prefix",
+    "select_for_rho",
     "MAX_TABLE_UNITS",
     "STRATEGIES",
+    "BUDGETED_STRATEGIES",
     "IMPORTANCE_STRATEGIES",
     "strategy_mask",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Selection strategies of the runtime: the DP (``elastic``) and the baselines.
+#: Selection strategies of the runtime: the DP (``elastic``) and the baselines. ``prefix`` is the
+#: longest prefix of the backward pass that fits (:func:`select_backward_prefix`).
 STRATEGIES = ("elastic", "full", "last-layer", "bn-bias", "prefix", "topk")
+#: Strategies that select under the budget of ``rho`` (:func:`select_for_rho`).
+BUDGETED_STRATEGIES = ("elastic", "topk", "prefix")
 #: Strategies whose selection needs fresh importance every period.
 IMPORTANCE_STRATEGIES = frozenset({"elastic", "topk"})
 
@@ -326,9 +338,12 @@ def select_tensors(
     Args:
         t_dw_us, t_dy_us: float/int [N] µs (>= 0), forward order.
         importance: float [N], forward order; zero and negative values allowed.
-        budget_us: backward budget in µs, ``rho * full_step_us - forward_us``.
+        budget_us: backward budget in µs, ``rho * t_full_us - forward_us``
+            (:func:`select_for_rho` computes it from a profile).
         resolution: None for 1-µs units, or a positive int R.
-        forward_us, full_step_us: optional, only to state the smallest feasible rho in the error.
+        forward_us, full_step_us: optional, only to state the smallest feasible rho in the error
+            (``full_step_us``: the full step the budget was computed from, the time model's
+            ``t_full_us``).
     Returns:
         Selection with strategy ``"dp"``.
     Raises:
@@ -464,7 +479,7 @@ def select_topk(
     return _result(mask, imp, t_dw, t_dy, "topk")
 
 
-def select_prefix(
+def select_backward_prefix(
     t_dw_us,
     t_dy_us,
     importance,
@@ -474,15 +489,27 @@ def select_prefix(
     forward_us: float | None = None,
     full_step_us: float | None = None,
 ) -> Selection:
-    """Largest prefix of the backward pass that fits: tensors s..N-1 with the smallest such s.
+    """Longest prefix of the backward pass that fits: tensors s..N-1 with the smallest such s.
 
-    The classic "train the last layers" transfer-learning baseline, sized to the budget: the
-    longest run of tensors ending at the output (a suffix in forward order) whose
-    ``sum(t_dw[s:]) + sum(t_dy[s:]) <= budget_us``. Ignores importance. ``resolution`` is
-    accepted for a uniform signature and ignored.
+    The classic "train the last layers" transfer-learning baseline, sized to the budget. The
+    backward pass runs from the output to the input, so its prefix is a suffix in forward order:
+    the longest run of tensors ending at the output whose
+    ``sum(t_dw[s:]) + sum(t_dy[s:]) <= budget_us``. Ignores importance (it only enters
+    ``Selection.objective``). ``resolution`` is accepted for a uniform signature and ignored.
 
-    Returns a Selection with strategy ``"prefix"``. Raises as :func:`select_tensors` (when even
-    the last tensor does not fit).
+    Args:
+        t_dw_us, t_dy_us: float/int [N] µs (>= 0), forward order.
+        importance: float [N], forward order; used for the objective only.
+        budget_us: backward budget in µs.
+        forward_us, full_step_us: optional, only to state the smallest feasible rho in the error.
+
+    Returns:
+        Selection with strategy ``"prefix"`` (the CLI's strategy name).
+
+    Raises:
+        InfeasibleBudgetError: even the last tensor alone does not fit (``min_rho`` is this
+            baseline's own minimum when ``forward_us``/``full_step_us`` are given).
+        ConfigError: as :func:`select_tensors`.
     """
     del resolution
     t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
@@ -509,6 +536,61 @@ def select_prefix(
 # Strategies: the elastic DP and the baselines the runtime compares it with.
 
 
+def select_for_rho(
+    profile,
+    rho: float,
+    importance,
+    *,
+    strategy: str = "elastic",
+    resolution: int | None = None,
+) -> Selection:
+    """Budget of the step-time ratio ``rho``, then the budgeted ``strategy`` (paper Eq. 3).
+
+    ``budget_us = rho * profile.t_full_us - profile.forward_us``
+    (:func:`etgraph.timing.budget_us`), then:
+
+    * ``"elastic"`` — the DP, :func:`select_tensors` (the paper's selection);
+    * ``"topk"`` — greedy by importance, :func:`select_topk`;
+    * ``"prefix"`` — the longest prefix of the backward pass that fits,
+      :func:`select_backward_prefix`.
+
+    Args:
+        profile: anything with ``t_dw_us``, ``t_dy_us`` (float [N] µs, forward order),
+            ``forward_us`` and ``t_full_us`` (µs; the time model's T_full), e.g. a
+            :class:`etgraph.profile.Profile`.
+        rho: requested step-time ratio ``T_selective / T_full`` in (0, 1].
+        importance: float [N], forward order (:mod:`etgraph.importance`); required by
+            ``elastic`` and ``topk``. ``prefix`` ignores it for the mask; None there scores
+            every tensor 1 (objective = number of tensors).
+        strategy: one of :data:`BUDGETED_STRATEGIES`.
+        resolution: DP time resolution (``elastic``; see :func:`select_tensors`).
+
+    Returns:
+        The :class:`Selection`; ``backward_us <= budget_us``.
+
+    Raises:
+        InfeasibleBudgetError: ``rho`` is below what the forward pass plus the cheapest tensor
+            (for ``prefix``: the last tensor) costs; the message gives the smallest feasible rho.
+        ConfigError: ``rho`` not in (0, 1], non-positive ``t_full_us``, an unknown strategy,
+            missing importance, or invalid timings/importance (as :func:`select_tensors`).
+    """
+    if strategy not in BUDGETED_STRATEGIES:
+        choices = ", ".join(BUDGETED_STRATEGIES)
+        raise ConfigError(f"unknown budgeted strategy {strategy!r}: choose one of {choices}")
+    if importance is None:
+        if strategy != "prefix":
+            raise ConfigError(f"strategy {strategy!r} needs the importance of every tensor")
+        importance = np.ones(len(profile.t_dw_us))
+    budget = timing.budget_us(rho, profile.forward_us, profile.t_full_us)
+    args = (profile.t_dw_us, profile.t_dy_us, importance, budget)
+    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.t_full_us)
+    if strategy == "elastic":
+        return select_tensors(*args, resolution=resolution, **kwargs)
+    if strategy == "topk":
+        return select_topk(*args, **kwargs)
+    return select_backward_prefix(*args, **kwargs)
+
+
 def strategy_mask(
     strategy: str,
     tensors: Sequence,
@@ -522,22 +604,26 @@ def strategy_mask(
 
     Args:
         strategy: one of :data:`STRATEGIES`.
-        tensors: ``graph.trainable_tensors(model)`` (``TensorInfo`` with ``kind`` and ``layer``).
-        profile: :class:`etgraph.profiler.Profile` (``t_dw_us``, ``t_dy_us``, ``forward_us``,
-            ``full_step_us``).
+        tensors: the trainable tensors (:attr:`etgraph.model.LoadedModel.tensors`,
+            ``TensorInfo`` with ``kind`` and ``layer``).
+        profile: as :func:`select_for_rho` (``t_dw_us``, ``t_dy_us``, ``forward_us``,
+            ``t_full_us``).
         rho: requested step-time ratio in (0, 1] (budgeted strategies only).
         importance: float [N] (``elastic`` and ``topk``; ignored otherwise).
         resolution: DP time resolution (``elastic``).
 
     Returns:
-        bool [N]. ``full``, ``last-layer`` and ``bn-bias`` ignore ``rho``; ``elastic`` (paper
-        Eq. 3 DP), ``topk`` and ``prefix`` select under ``rho * t_full_us``.
+        A writable bool [N]. ``full``, ``last-layer`` and ``bn-bias`` ignore ``rho``;
+        ``elastic`` (paper Eq. 3 DP), ``topk`` and ``prefix`` (the longest prefix of the backward
+        pass that fits) select under ``rho * t_full_us`` through :func:`select_for_rho`.
 
     Raises:
         InfeasibleBudgetError: ``rho`` is below what the forward pass (plus the cheapest
             tensor) costs; the message gives the smallest feasible rho.
-        ConfigError: unknown strategy.
+        ConfigError: unknown strategy, or as :func:`select_for_rho`.
     """
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     n = len(tensors)
     if strategy == "full":
         return np.ones(n, dtype=bool)
@@ -549,16 +635,7 @@ def strategy_mask(
             [t.kind in ("gamma", "beta", "bias") or t.layer == last_layer for t in tensors],
             dtype=bool,
         )
-    budget = timing.budget_us(rho, profile.forward_us, profile.t_full_us)
-    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.t_full_us)
-    if strategy == "elastic":
-        chosen = select_tensors(
-            profile.t_dw_us, profile.t_dy_us, importance, budget, resolution=resolution, **kwargs
-        )
-    elif strategy == "topk":
-        chosen = select_topk(profile.t_dw_us, profile.t_dy_us, importance, budget, **kwargs)
-    elif strategy == "prefix":
-        chosen = select_prefix(profile.t_dw_us, profile.t_dy_us, np.ones(n), budget, **kwargs)
-    else:
-        raise ConfigError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if strategy == "prefix":
+        importance = None  # the prefix ignores importance (runs without an importance pass)
+    chosen = select_for_rho(profile, rho, importance, strategy=strategy, resolution=resolution)
     return np.asarray(chosen.mask, dtype=bool).copy()

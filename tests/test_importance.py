@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
 
-from etgraph import graph, onnx_io
-from etgraph import model as model_spec
 from etgraph.artifacts import ArtifactCache
+from etgraph.data import load_dataset
 from etgraph.errors import ConfigError
-from etgraph.importance import ImportanceEvaluator, tensor_importance
+from etgraph.importance import (
+    _CHUNK,
+    ImportanceEvaluator,
+    _adamw_importance,
+    adamw_first_step,
+    probe_importance,
+    tensor_importance,
+)
+from etgraph.model import LoadedModel
+from etgraph.sessions import TrainingSession
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -33,8 +40,6 @@ def test_tensor_importance_is_minus_sum_of_gradient_times_update():
 def test_chunked_adamw_importance_equals_the_reference():
     """The evaluator's chunked float32 form equals tensor_importance of adamw_first_step (the
     documented definition) — across chunk boundaries and with several probe batches."""
-    from etgraph.importance import _CHUNK, _adamw_importance, adamw_first_step
-
     rng = np.random.default_rng(3)
     scratch = np.empty((3, _CHUNK), dtype=np.float32)
     for size, batches in ((7, 1), (_CHUNK + 12345, 2), (2 * _CHUNK, 3)):
@@ -47,47 +52,46 @@ def test_chunked_adamw_importance_equals_the_reference():
 
 
 def test_tensor_importance_rejects_mismatches():
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="1 gradients but 0 weight updates"):
         tensor_importance([np.zeros(2)], [])
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"tensor 0: gradient shape \(2,\) differs"):
         tensor_importance([np.zeros(2)], [np.zeros(3)])
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, default_model_path):
-    """Default model, its tensors, all-trainable artifacts and a probe batch."""
-    from etgraph.data import load_dataset
+def loaded(default_model_path) -> LoadedModel:
+    return LoadedModel.load(default_model_path)
 
-    model = onnx_io.load_model(default_model_path)
-    names = [t.name for t in graph.trainable_tensors(model)]
-    stats = list(graph.running_statistics(model))
-    weights = {
-        i.name: numpy_helper.to_array(i).copy()
-        for i in model.graph.initializer
-        if i.name in set(names) | set(stats)
-    }
-    cache = ArtifactCache(tmp_path_factory.mktemp("importance-artifacts"))
-    evaluator = ImportanceEvaluator(model, names, stats, cache, weight_decay=WEIGHT_DECAY)
-    dataset = load_dataset(None, input_shape=model_spec.input_shape(model))
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> ArtifactCache:
+    return ArtifactCache(tmp_path_factory.mktemp("importance-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def setup(loaded, cache):
+    """Default model, its tensors, all-trainable artifacts and a probe batch."""
+    names = loaded.names
+    stats = list(loaded.running_stats)
+    weights = loaded.initial_weights()
+    evaluator = ImportanceEvaluator(loaded.proto, names, stats, cache, weight_decay=WEIGHT_DECAY)
+    dataset = load_dataset(None, input_shape=loaded.input_shape())
     batch = dataset.probe_batch(4, seed=3)
     return evaluator, names, stats, weights, batch
 
 
 def _hand_computed(evaluator, names, stats, weights, batch):
-    """One real ORT AdamW step of all tensors, read back and scored with plain numpy."""
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
-
+    """One real ORT AdamW step of all tensors (Module + Optimizer), read back and scored with
+    plain numpy."""
     paths = evaluator.paths
-    state = CheckpointState.load_checkpoint(str(paths.checkpoint))
-    module = Module(str(paths.training_model), state)
-    optimizer = Optimizer(str(paths.optimizer_model), module)
+    session = TrainingSession(paths.directory, paths.checkpoint, threads=None)
+    state = session.state
     for name in names + stats:
         state.parameters[name].data[...] = weights[name]
-    module.train()
-    module(*batch)
+    session.module(*batch)
     grads = {n: state.parameters[n].grad.copy() for n in names}
-    optimizer.set_learning_rate(LR)
-    optimizer.step()
+    session.optimizer.set_learning_rate(LR)
+    session.optimizer.step()
     after = {n: state.parameters[n].data.copy() for n in names}
     importance = np.array(
         [
@@ -137,7 +141,32 @@ def test_importance_leaves_training_state_untouched_and_repeats(setup):
 def test_importance_rejects_missing_weights_and_empty_probe(setup):
     evaluator, names, _, weights, batch = setup
     partial = {k: v for k, v in weights.items() if k != names[0]}
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=f"no current value for tensor '{names[0]}'"):
         evaluator.evaluate(partial, [batch], LR)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="at least one probe batch"):
         evaluator.evaluate(weights, [], LR)
+    with pytest.raises(ConfigError, match="learning rate must be positive"):
+        evaluator.evaluate(weights, [batch], 0.0)
+
+
+def test_probe_importance_of_a_loaded_model(loaded, cache, setup):
+    """compile's entry point: the loaded model's initial weights on probe batches seed, seed+1.
+    Same artifacts (cache hit), so exactly the evaluator's numbers on the same batches."""
+    evaluator = setup[0]
+    shape = loaded.input_shape()
+    got = probe_importance(
+        loaded,
+        None,
+        batch_size=4,
+        input_shape=shape,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        probe_batches=2,
+        seed=5,
+        cache_dir=cache.root,
+    )
+    dataset = load_dataset(None, input_shape=shape)
+    batches = [dataset.probe_batch(4, 5), dataset.probe_batch(4, 6)]
+    expected = evaluator.evaluate(loaded.initial_weights(), batches, LR).importance
+    assert got.shape == (len(loaded.names),) and got.dtype == np.float64
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from functools import cache
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,18 +13,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etgraph.errors import ConfigError, InfeasibleBudgetError
+from etgraph.model import TensorInfo
 from etgraph.selection import (
+    BUDGETED_STRATEGIES,
     MAX_TABLE_UNITS,
+    STRATEGIES,
     Selection,
+    select_backward_prefix,
+    select_for_rho,
     select_naive_dp,
-    select_prefix,
     select_tensors,
     select_topk,
+    strategy_mask,
 )
-from etgraph.timing import backward_us, backward_us_many, min_feasible_rho
+from etgraph.timing import backward_us, backward_us_many, budget_us, min_feasible_rho
 
 SOLVERS = [select_tensors, select_naive_dp]
-ALL_SELECTORS = [select_tensors, select_naive_dp, select_topk, select_prefix]
+ALL_SELECTORS = [select_tensors, select_naive_dp, select_topk, select_backward_prefix]
+#: The message of InfeasibleBudgetError when not even one tensor fits.
+NO_TENSOR_FITS = "below the cheapest single tensor"
 
 
 @cache
@@ -76,7 +84,7 @@ def test_dp_matches_brute_force_on_thousands_of_instances():
         best, _, _ = brute_force(t_dw, t_dy, importance, budget)
         if best is None:
             infeasible += 1
-            with pytest.raises(InfeasibleBudgetError):
+            with pytest.raises(InfeasibleBudgetError, match=NO_TENSOR_FITS):
                 select_tensors(t_dw, t_dy, importance, budget)
             continue
         feasible += 1
@@ -92,7 +100,7 @@ def test_naive_paper_dp_matches_brute_force():
         t_dw, t_dy, importance, budget = random_instance(rng, n_max=10)
         best, _, _ = brute_force(t_dw, t_dy, importance, budget)
         if best is None:
-            with pytest.raises(InfeasibleBudgetError):
+            with pytest.raises(InfeasibleBudgetError, match=NO_TENSOR_FITS):
                 select_naive_dp(t_dw, t_dy, importance, budget)
             continue
         sel = select_naive_dp(t_dw, t_dy, importance, budget)
@@ -145,7 +153,7 @@ def test_resolution_never_exceeds_budget(data, n, resolution, budget_frac):
     best, cost, value = brute_force(t_dw, t_dy, importance, budget)
     for solver in SOLVERS:
         if best is None:
-            with pytest.raises(InfeasibleBudgetError):
+            with pytest.raises(InfeasibleBudgetError, match=NO_TENSOR_FITS):
                 solver(t_dw, t_dy, importance, budget, resolution=resolution)
             continue
         sel = solver(t_dw, t_dy, importance, budget, resolution=resolution)
@@ -209,7 +217,7 @@ def test_infeasible_budget_reports_min_rho():
         assert solver(t_dw, t_dy, np.ones(3), 6.0).indices.tolist() == [1]
     # The prefix baseline needs the last tensor: its own, larger, minimum.
     with pytest.raises(InfeasibleBudgetError, match="last tensor") as err:
-        select_prefix(t_dw, t_dy, np.ones(3), 20.0, forward_us=forward, full_step_us=full)
+        select_backward_prefix(t_dw, t_dy, np.ones(3), 20.0, forward_us=forward, full_step_us=full)
     assert err.value.min_rho == pytest.approx((forward + 54.0) / full)
     # Resolution mode: rounding may not make a feasible budget infeasible.
     sel = select_tensors(t_dw, t_dy, np.ones(3), 6.0, resolution=1)
@@ -235,10 +243,12 @@ def test_baselines_respect_budget_and_dp_dominates():
         n = len(t_dw)
         suffix_cost = [t_dw[s:].sum() + t_dy[s:].sum() for s in range(n)]
         if suffix_cost[-1] > budget:
-            with pytest.raises(InfeasibleBudgetError):
-                select_prefix(t_dw, t_dy, importance, budget)
+            with pytest.raises(
+                InfeasibleBudgetError, match=f"{NO_TENSOR_FITS}|the last tensor alone"
+            ):
+                select_backward_prefix(t_dw, t_dy, importance, budget)
             continue
-        prefix = select_prefix(t_dw, t_dy, importance, budget)
+        prefix = select_backward_prefix(t_dw, t_dy, importance, budget)
         check_selection(prefix, t_dw, t_dy, importance, budget, "prefix")
         start = int(prefix.indices[0])
         assert prefix.indices.tolist() == list(range(start, n))  # a suffix in forward order
@@ -279,7 +289,7 @@ def test_tiny_budgets_with_resolution():
     for budget in (5e-324, 1e-300, 1e-12, 0.0):
         sel = select_tensors(t_dw, t_dy, importance, budget, resolution=1000)
         assert sel.indices.tolist() == [2] and sel.backward_us == 0.0
-    with pytest.raises(InfeasibleBudgetError):
+    with pytest.raises(InfeasibleBudgetError, match=NO_TENSOR_FITS):
         select_tensors(np.ones(3), np.ones(3), importance, 1e-300, resolution=1000)
 
 
@@ -299,9 +309,9 @@ def test_unbounded_and_huge_budgets():
 
 def test_selection_is_immutable():
     sel = select_tensors(np.ones(3), np.ones(3), np.ones(3), 10.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         sel.mask[0] = False
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="cannot assign to field"):
         sel.objective = 0.0  # type: ignore[misc]
 
 
@@ -328,3 +338,99 @@ def test_backward_us_many_agrees_with_brute_force_costs():
     t_dw, t_dy = rng.integers(0, 9, 8), rng.integers(0, 9, 8)
     _, cost, _ = brute_force(t_dw, t_dy, np.zeros(8), 0)
     assert np.allclose(cost, backward_us_many(all_masks(8), t_dw, t_dy))
+
+
+# ---- strategies: the one "budget, then select" step and the masks of every strategy ----
+
+T_DW = np.array([3.0, 2.0, 50.0, 7.0, 1.0, 4.0])
+T_DY = np.array([10.0, 0.0, 4.0, 6.0, 2.0, 0.0])
+IMPORTANCE = np.array([0.5, 2.0, 3.0, 1.0, 0.2, 1.5])
+PROFILE = SimpleNamespace(
+    t_dw_us=T_DW,
+    t_dy_us=T_DY,
+    forward_us=40.0,
+    t_full_us=40.0 + T_DW.sum() + T_DY.sum(),
+    measured_full_step_us=1e9,  # never used: the budget is of the time model's T_full
+)
+SOLVER_OF = {"elastic": select_tensors, "topk": select_topk, "prefix": select_backward_prefix}
+
+
+@pytest.mark.parametrize("strategy", BUDGETED_STRATEGIES)
+@pytest.mark.parametrize("rho", [0.45, 0.6, 0.8, 1.0])
+def test_select_for_rho_is_budget_then_select(strategy, rho):
+    budget = budget_us(rho, PROFILE.forward_us, PROFILE.t_full_us)
+    expected = SOLVER_OF[strategy](T_DW, T_DY, IMPORTANCE, budget)
+    got = select_for_rho(PROFILE, rho, IMPORTANCE, strategy=strategy)
+    assert got.mask.tolist() == expected.mask.tolist()
+    assert got.objective == expected.objective and got.strategy == expected.strategy
+    assert got.backward_us <= budget
+    step = PROFILE.forward_us + got.backward_us
+    assert step <= rho * PROFILE.t_full_us + 1e-9  # paper Eq. 3: T_selective <= rho * T_full
+
+
+def test_select_for_rho_defaults_and_resolution():
+    rho = 0.6
+    budget = budget_us(rho, PROFILE.forward_us, PROFILE.t_full_us)
+    assert select_for_rho(PROFILE, rho, IMPORTANCE).strategy == "dp"  # elastic by default
+    coarse = select_for_rho(PROFILE, rho, IMPORTANCE, resolution=3)
+    expected = select_tensors(T_DW, T_DY, IMPORTANCE, budget, resolution=3)
+    assert coarse.mask.tolist() == expected.mask.tolist()
+    # The prefix needs no importance: without it every tensor scores 1.
+    prefix = select_for_rho(PROFILE, rho, None, strategy="prefix")
+    assert prefix.objective == prefix.count
+    assert prefix.indices.tolist() == list(range(int(prefix.indices[0]), len(T_DW)))
+
+
+def test_select_for_rho_errors():
+    low = 0.9 * PROFILE.forward_us / PROFILE.t_full_us  # below the forward pass alone
+    floor = min_feasible_rho(T_DW, T_DY, PROFILE.forward_us, PROFILE.t_full_us)
+    with pytest.raises(InfeasibleBudgetError, match="raise rho to at least") as err:
+        select_for_rho(PROFILE, low, IMPORTANCE)
+    assert err.value.min_rho == pytest.approx(floor)
+    with pytest.raises(InfeasibleBudgetError, match="for the prefix baseline"):
+        select_for_rho(PROFILE, floor, None, strategy="prefix")  # needs the last tensor's dy too
+    with pytest.raises(ConfigError, match="unknown budgeted strategy 'full'"):
+        select_for_rho(PROFILE, 0.5, IMPORTANCE, strategy="full")
+    for strategy in ("elastic", "topk"):
+        with pytest.raises(ConfigError, match="needs the importance"):
+            select_for_rho(PROFILE, 0.5, None, strategy=strategy)
+    with pytest.raises(ConfigError, match=r"rho must be in \(0, 1\]"):
+        select_for_rho(PROFILE, 1.5, IMPORTANCE)
+
+
+def _tensors():
+    """Six tensors: conv kernel, bn gamma/beta, conv kernel + bias, fc kernel (the last layer)."""
+    spec = [
+        ("c1.w", "kernel", "conv1"),
+        ("bn.g", "gamma", "bn1"),
+        ("bn.b", "beta", "bn1"),
+        ("c2.w", "kernel", "conv2"),
+        ("c2.b", "bias", "conv2"),
+        ("fc.w", "kernel", "fc"),
+    ]
+    return [
+        TensorInfo(index=i, name=n, kind=k, layer=layer, op_type="Conv", shape=(1,), params=1)
+        for i, (n, k, layer) in enumerate(spec)
+    ]
+
+
+def test_strategy_mask_of_every_strategy():
+    tensors = _tensors()
+    masks = {s: strategy_mask(s, tensors, PROFILE, 0.6, IMPORTANCE) for s in STRATEGIES}
+    assert masks["full"].tolist() == [True] * 6
+    assert masks["last-layer"].tolist() == [False] * 5 + [True]
+    assert masks["bn-bias"].tolist() == [False, True, True, False, True, True]
+    for strategy in BUDGETED_STRATEGIES:
+        expected = select_for_rho(PROFILE, 0.6, IMPORTANCE, strategy=strategy).mask
+        assert masks[strategy].tolist() == expected.tolist()
+    # The prefix ignores importance; the budget-free strategies ignore rho.
+    prefix = strategy_mask("prefix", tensors, PROFILE, 0.6, None)
+    assert prefix.tolist() == masks["prefix"].tolist()
+    assert strategy_mask("full", tensors, PROFILE, 0.01, None).all()
+    for mask in masks.values():
+        assert mask.dtype == bool and mask.flags.writeable
+
+
+def test_strategy_mask_rejects_unknown_strategy():
+    with pytest.raises(ConfigError, match="unknown strategy 'best': choose one of elastic"):
+        strategy_mask("best", _tensors(), PROFILE, 0.5, IMPORTANCE)
