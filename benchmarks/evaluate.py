@@ -37,9 +37,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from etgraph import model as model_spec  # noqa: E402
-from etgraph import onnx_io, profiler, selection, timing  # noqa: E402
+from etgraph import measure, profile, profiler, selection  # noqa: E402
+from etgraph.artifacts import ArtifactCache  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
+from etgraph.importance import ImportanceEvaluator  # noqa: E402
+from etgraph.model import LoadedModel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 EXPORTS = ROOT / "models" / "exported"
@@ -66,62 +68,43 @@ def _export(name: str, input_size: int) -> Path:
     return path
 
 
-def _probe_importance(model_path: Path, shape, batch_size: int) -> np.ndarray:
+def _probe_importance(model: LoadedModel, shape, batch_size: int) -> np.ndarray:
     """First-order importance (paper Eq. 2) on one probe batch of random data."""
-    import onnx
-
-    from etgraph import graph
-    from etgraph.artifacts import ArtifactCache
-    from etgraph.importance import ImportanceEvaluator
-
-    model = onnx_io.load_model(model_path)
-    names = [t.name for t in graph.trainable_tensors(model)]
-    frozen = graph.running_statistics(model)
-    weights = {
-        i.name: onnx.numpy_helper.to_array(i)
-        for i in model.graph.initializer
-        if i.name in set(names) | set(frozen)
-    }
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch_size, *shape)).astype(np.float32)
     y = rng.integers(0, 10, size=batch_size).astype(np.int64)
     with tempfile.TemporaryDirectory() as tmp:
-        evaluator = ImportanceEvaluator(model, names, frozen, ArtifactCache(tmp))
-        return evaluator.evaluate(weights, [(x, y)], 1e-4).importance
+        evaluator = ImportanceEvaluator(
+            model.proto, model.names, model.running_stats, ArtifactCache(tmp)
+        )
+        return evaluator.evaluate(model.initial_weights(), [(x, y)], 1e-4).importance
 
 
 def speed(models, input_size: int, rhos, batch_size: int, repeats: int) -> list[dict]:
     rows = []
     for name in models:
         path = Path(name) if name.endswith(".onnx") else _export(name, input_size)
+        model = LoadedModel.load(path)
         shape = (3, input_size, input_size)
         t0 = time.perf_counter()
         prof = profiler.profile_model(
-            path,
+            model,
             batch_size=batch_size,
             input_shape=shape,
             repeats=repeats,
-            cache_dir=profiler.default_cache_dir(),
+            cache_dir=profile.default_cache_dir(),
         )
         profile_s = time.perf_counter() - t0
-        importance = _probe_importance(path, shape, batch_size)
+        importance = _probe_importance(model, shape, batch_size)
         masks, predicted, solve_ms = [], [], []
         for rho in rhos:
-            budget = timing.budget_us(rho, prof.forward_us, prof.t_full_us)
             t0 = time.perf_counter()
-            chosen = selection.select_tensors(
-                prof.t_dw_us,
-                prof.t_dy_us,
-                importance,
-                budget,
-                forward_us=prof.forward_us,
-                full_step_us=prof.t_full_us,
-            )
+            chosen = selection.select_for_rho(prof, rho, importance)
             solve_ms.append((time.perf_counter() - t0) * 1e3)
             masks.append(chosen.mask)
             predicted.append(prof.predicted_step_us(chosen.mask))
-        mask_us, full_us = profiler.measure_selection_steps_us(
-            path,
+        mask_us, full_us = measure.measure_selection_steps_us(
+            model,
             np.array(masks),
             batch_size=batch_size,
             input_shape=shape,

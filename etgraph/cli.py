@@ -268,7 +268,7 @@ def compile_command(
     click.echo(
         f"{result.n_selected}/{result.n_tensors} tensors selected at rho={result.rho:g}: "
         f"predicted step {result.predicted_step_us / 1e3:.2f} ms vs full "
-        f"{result.full_step_us / 1e3:.2f} ms ({result.predicted_speedup:.2f}x faster)\n"
+        f"{result.t_full_us / 1e3:.2f} ms ({result.predicted_speedup:.2f}x faster)\n"
         f"wrote {result.out_dir}/ plan.json profile.json graph.json|graphml|dot artifacts/\n"
         f"next: etgraph train {result.out_dir}"
     )

@@ -1,31 +1,36 @@
 """``etgraph compile``: the main job, model -> graph -> timings -> selection -> artifacts.
 
 One function, :func:`compile_model`, runs the whole chain once and writes a compiled directory
-that ``etgraph train OUT`` continues from and ``etgraph inspect OUT`` reads::
+that ``etgraph train OUT`` continues from and ``etgraph inspect OUT`` reads, and nothing else::
 
     OUT/model.onnx          the legalised forward model (what everything else was built from)
     OUT/graph.json|.graphml|.dot   tensor-level backward graph with timings, importance, selection
-    OUT/profile.json        per-tensor t_dw_us / t_dy_us, forward_us, full_step_us (profiler)
-    OUT/plan.json           the selection: rho, budget, predicted step time, per-tensor table,
-                            frozen and trainable parameter lists
+    OUT/profile.json        per-tensor t_dw_us / t_dy_us, forward_us, measured_full_step_us
+    OUT/plan.json           the selection: rho, budget, t_full_us, predicted step time, the
+                            per-tensor table, frozen and trainable parameter lists
     OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from . import artifacts, graph, onnx_io, profiler, selection, timing
+from passes.layout import tensor_id
+
+from . import artifacts, dumps, graph, profile, profiler, selection, timing
+from .artifacts import ArtifactCache
+from .data import DEFAULT_MODEL_PATH
 from .errors import ConfigError
-from .model import LoadedModel
-from .model import input_shape as model_input_shape
+from .files import ensure_writable_dir, write_json_atomic
+from .importance import probe_importance
+from .model import LoadedModel, TensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ MODEL_FILE = "model.onnx"
 ARTIFACTS_DIR = "artifacts"
 
 
-def data_free_importance(tensors: list[graph.TensorInfo]) -> np.ndarray:
+def data_free_importance(tensors: list[TensorInfo]) -> np.ndarray:
     """Importance prior used when no data is given: each tensor's share of the parameters.
 
     Without a probe batch there is no gradient, so the first-order importance of paper Eq. (2)
@@ -65,21 +70,6 @@ def check_batch_size(batch_size: int) -> int:
     return batch_size
 
 
-def ensure_writable_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` if needed and check it is a writable directory (ConfigError if not)."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".etgraph-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(
-            f"output directory {path} is not writable ({exc.strerror}): choose another with -o"
-        ) from exc
-    return path
-
-
 @dataclass
 class CompileResult:
     """What :func:`compile_model` produced (paths inside ``out_dir``) and its key figures."""
@@ -89,19 +79,12 @@ class CompileResult:
     n_selected: int
     rho: float
     predicted_step_us: float
-    full_step_us: float  # T_full of the time model (Profile.t_full_us)
+    t_full_us: float  # T_full of the time model (Profile.t_full_us)
 
     @property
     def predicted_speedup(self) -> float:
         """Full step time over predicted step time of the selection (dimensionless)."""
-        return self.full_step_us / self.predicted_step_us
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write ``payload`` as indented JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+        return self.t_full_us / self.predicted_step_us
 
 
 def compile_model(
@@ -147,93 +130,81 @@ def compile_model(
         InfeasibleBudgetError: rho is below what the forward pass costs (gives the smallest rho).
         DataError: the probe dataset cannot be loaded.
     """
-    from .data import DEFAULT_MODEL_PATH
-
     check_rho(rho)
     check_batch_size(batch_size)
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
-    out = ensure_writable_dir(out_dir)
+    out = ensure_writable_dir(out_dir, "-o")
 
-    model = LoadedModel.load(source).proto
-    shape = model_input_shape(model, input_shape)
-    onnx.save(model, str(out / MODEL_FILE))
-    tensors = graph.trainable_tensors(model)
+    model = LoadedModel.load(source)
+    shape = model.input_shape(input_shape)
+    onnx.save(model.proto, str(out / MODEL_FILE))
+    tensors = list(model.tensors)
     log.info("%s: %d trainable tensors, input %s", source.name, len(tensors), shape)
 
-    tensor_graph = graph.build_tensor_graph(model, work_dir=out / ".work")
-
-    prof = profiler.profile_model(
-        out / MODEL_FILE,
-        batch_size=batch_size,
-        input_shape=shape,
-        repeats=repeats,
-        threads=threads,
-        cache_dir=cache_dir if cache_dir is not None else profiler.default_cache_dir(),
-    )
+    with tempfile.TemporaryDirectory(prefix="etgraph-compile-") as work:
+        # One cache for the graph and the profiler: the all-trainable artifacts are generated
+        # once and the tensor-graph passes run once.
+        cache = ArtifactCache(work)
+        tensor_graph = graph.build_tensor_graph(model.with_batch(batch_size, shape), cache=cache)
+        prof = profiler.profile_model(
+            model,
+            batch_size=batch_size,
+            input_shape=shape,
+            repeats=repeats,
+            threads=threads,
+            cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
+            tensor_graph=tensor_graph,
+            artifact_cache=cache,
+        )
     prof.save(out / PROFILE_FILE)
 
     if data is None:
         importance = data_free_importance(tensors)
         importance_source = "data-free prior: parameter share"
     else:
-        from .importance import probe_importance
-
         importance = probe_importance(model, data, batch_size=batch_size, input_shape=shape)
         importance_source = f"first-order importance on a probe batch of {data}"
 
-    budget = timing.budget_us(rho, prof.forward_us, prof.t_full_us)
-    chosen = selection.select_tensors(
-        prof.t_dw_us,
-        prof.t_dy_us,
-        importance,
-        budget,
-        resolution=resolution,
-        forward_us=prof.forward_us,
-        full_step_us=prof.t_full_us,
-    )
+    chosen = selection.select_for_rho(prof, rho, importance, resolution=resolution)
     predicted = prof.predicted_step_us(chosen.mask)
+    trainable, frozen = model.split(chosen.mask)
+    artifacts.generate(model.proto, trainable, frozen, out / ARTIFACTS_DIR)
 
-    trainable = [t.name for t, s in zip(tensors, chosen.mask, strict=True) if s]
-    frozen = [t.name for t, s in zip(tensors, chosen.mask, strict=True) if not s]
-    frozen += graph.running_statistics(model)
-    artifacts.generate(model, trainable, frozen, out / ARTIFACTS_DIR)
-
-    for t, s, imp, dw, dy in zip(
-        tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
-    ):
-        tensor_graph.nodes[graph.tensor_id(t.name)].update(
-            t_dw_us=float(dw), t_dy_us=float(dy), importance=float(imp), selected=bool(s)
+    rows = [
+        {
+            "index": t.index,
+            "name": t.name,
+            "kind": t.kind,
+            "t_dw_us": float(dw),
+            "t_dy_us": float(dy),
+            "importance": float(imp),
+            "selected": bool(s),
+        }
+        for t, s, imp, dw, dy in zip(
+            tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
         )
-    for fmt in ("json", "graphml", "dot"):
-        graph.write_graph(tensor_graph, out / f"graph.{fmt}", fmt)
+    ]
+    for row in rows:
+        tensor_graph.nodes[tensor_id(row["name"])].update(
+            {k: row[k] for k in ("t_dw_us", "t_dy_us", "importance", "selected")}
+        )
+    for fmt in dumps.GRAPH_FORMATS:
+        dumps.write_graph(tensor_graph, out / f"graph.{fmt}", fmt)
 
     plan = {
         "model": str(source),
-        "model_hash": onnx_io.model_hash(model),
+        "model_hash": model.hash,
         "rho": rho,
         "batch_size": batch_size,
         "input_shape": list(shape),
         "forward_us": prof.forward_us,
-        "full_step_us": prof.t_full_us,
-        "measured_full_step_us": prof.full_step_us,
-        "budget_us": budget,
+        "t_full_us": prof.t_full_us,
+        "measured_full_step_us": prof.measured_full_step_us,
+        "budget_us": timing.budget_us(rho, prof.forward_us, prof.t_full_us),
         "predicted_step_us": predicted,
         "importance_source": importance_source,
         "resolution": resolution,
-        "tensors": [
-            {
-                "index": t.index,
-                "name": t.name,
-                "kind": t.kind,
-                "t_dw_us": float(dw),
-                "t_dy_us": float(dy),
-                "importance": float(imp),
-                "selected": bool(s),
-            }
-            for t, s, imp, dw, dy in zip(
-                tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
-            )
-        ],
+        "tensors": rows,
         "frozen_params": frozen,
         "trainable_params": trainable,
     }
@@ -244,5 +215,5 @@ def compile_model(
         n_selected=len(trainable),
         rho=rho,
         predicted_step_us=predicted,
-        full_step_us=prof.t_full_us,
+        t_full_us=prof.t_full_us,
     )

@@ -138,7 +138,7 @@ def _result(mask, imp, t_dw, t_dy, strategy) -> Selection:
     )
 
 
-def _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us) -> None:
+def _check_feasible(t_dw, t_dy, budget, forward_us, t_full_us) -> None:
     """Raise InfeasibleBudgetError when not even one tensor fits in ``budget`` µs."""
     cheapest_us, k = min_feasible_backward_us(t_dw, t_dy)
     if cheapest_us <= budget:
@@ -148,8 +148,8 @@ def _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us) -> None:
         f"(tensor {k}: {cheapest_us:.1f} us); no tensor can be trained"
     )
     min_rho = float("nan")
-    if forward_us is not None and full_step_us is not None and float(full_step_us) > 0:
-        min_rho = (float(forward_us) + cheapest_us) / float(full_step_us)
+    if forward_us is not None and t_full_us is not None and float(t_full_us) > 0:
+        min_rho = (float(forward_us) + cheapest_us) / float(t_full_us)
         if min_rho <= 1.0:  # rounded up, so the rho the message names is feasible
             msg += f"; raise rho to at least {math.ceil(min_rho * 1e4) / 1e4:.4f}"
         else:
@@ -320,7 +320,7 @@ def select_tensors(
     *,
     resolution: int | None = None,
     forward_us: float | None = None,
-    full_step_us: float | None = None,
+    t_full_us: float | None = None,
 ) -> Selection:
     """Optimal tensor selection under a backward budget (paper Eq. 3, DP of §6).
 
@@ -341,19 +341,18 @@ def select_tensors(
         budget_us: backward budget in µs, ``rho * t_full_us - forward_us``
             (:func:`select_for_rho` computes it from a profile).
         resolution: None for 1-µs units, or a positive int R.
-        forward_us, full_step_us: optional, only to state the smallest feasible rho in the error
-            (``full_step_us``: the full step the budget was computed from, the time model's
-            ``t_full_us``).
+        forward_us, t_full_us: optional, only to state the smallest feasible rho in the error
+            (``t_full_us``: the time model's full step T_full the budget was computed from).
     Returns:
         Selection with strategy ``"dp"``.
     Raises:
         InfeasibleBudgetError: no single tensor fits (message gives the smallest feasible budget,
-            and rho when ``forward_us``/``full_step_us`` are given; attribute ``min_rho``).
+            and rho when ``forward_us``/``t_full_us`` are given; attribute ``min_rho``).
         ConfigError: mismatched shapes, negative/non-finite timings or importance, N = 0, bad
             resolution, or an exact table larger than ``MAX_TABLE_UNITS`` (use ``resolution``).
     """
     t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
-    _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+    _check_feasible(t_dw, t_dy, budget, forward_us, t_full_us)
     mask = _solve_within_budget(_dp_sweep, t_dw, t_dy, imp, budget, resolution)
     return _result(mask, imp, t_dw, t_dy, "dp")
 
@@ -421,7 +420,7 @@ def select_naive_dp(
     *,
     resolution: int | None = None,
     forward_us: float | None = None,
-    full_step_us: float | None = None,
+    t_full_us: float | None = None,
 ) -> Selection:
     """The paper's O(N^2*T) DP (§6.2, Eq. 4); same contract and rounding as :func:`select_tensors`.
 
@@ -429,7 +428,7 @@ def select_naive_dp(
     Returns a Selection with strategy ``"naive_dp"``.
     """
     t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
-    _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+    _check_feasible(t_dw, t_dy, budget, forward_us, t_full_us)
     mask = _solve_within_budget(_naive_recurrence, t_dw, t_dy, imp, budget, resolution)
     return _result(mask, imp, t_dw, t_dy, "naive_dp")
 
@@ -446,7 +445,7 @@ def select_topk(
     *,
     resolution: int | None = None,
     forward_us: float | None = None,
-    full_step_us: float | None = None,
+    t_full_us: float | None = None,
 ) -> Selection:
     """Greedy top-k by importance under the same budget and time model.
 
@@ -460,7 +459,7 @@ def select_topk(
     """
     del resolution
     t_dw, t_dy, imp, budget = _inputs(t_dw_us, t_dy_us, importance, budget_us)
-    _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+    _check_feasible(t_dw, t_dy, budget, forward_us, t_full_us)
     n = t_dw.size
     suffix_dy = np.concatenate([np.cumsum(t_dy[::-1])[::-1], [0.0]])
     order = np.lexsort((-np.arange(n), -imp))  # importance desc, then index desc
@@ -487,7 +486,7 @@ def select_backward_prefix(
     *,
     resolution: int | None = None,
     forward_us: float | None = None,
-    full_step_us: float | None = None,
+    t_full_us: float | None = None,
 ) -> Selection:
     """Longest prefix of the backward pass that fits: tensors s..N-1 with the smallest such s.
 
@@ -501,14 +500,14 @@ def select_backward_prefix(
         t_dw_us, t_dy_us: float/int [N] µs (>= 0), forward order.
         importance: float [N], forward order; used for the objective only.
         budget_us: backward budget in µs.
-        forward_us, full_step_us: optional, only to state the smallest feasible rho in the error.
+        forward_us, t_full_us: optional, only to state the smallest feasible rho in the error.
 
     Returns:
         Selection with strategy ``"prefix"`` (the CLI's strategy name).
 
     Raises:
         InfeasibleBudgetError: even the last tensor alone does not fit (``min_rho`` is this
-            baseline's own minimum when ``forward_us``/``full_step_us`` are given).
+            baseline's own minimum when ``forward_us``/``t_full_us`` are given).
         ConfigError: as :func:`select_tensors`.
     """
     del resolution
@@ -516,15 +515,15 @@ def select_backward_prefix(
     suffix_cost = np.cumsum((t_dw + t_dy)[::-1])[::-1]  # cost of training s..N-1
     fits = np.flatnonzero(suffix_cost <= budget)
     if fits.size == 0:
-        _check_feasible(t_dw, t_dy, budget, forward_us, full_step_us)
+        _check_feasible(t_dw, t_dy, budget, forward_us, t_full_us)
         cheapest = float(suffix_cost[-1])
         msg = (
             f"backward budget {budget:.1f} us is below the cost of training the last tensor "
             f"alone ({cheapest:.1f} us)"
         )
         min_rho = float("nan")
-        if forward_us is not None and full_step_us is not None and float(full_step_us) > 0:
-            min_rho = (float(forward_us) + cheapest) / float(full_step_us)
+        if forward_us is not None and t_full_us is not None and float(t_full_us) > 0:
+            min_rho = (float(forward_us) + cheapest) / float(t_full_us)
             msg += f"; raise rho to at least {min_rho:.4f} for the prefix baseline"
         raise InfeasibleBudgetError(msg, min_rho=min_rho)
     mask = np.zeros(t_dw.size, dtype=bool)
@@ -583,7 +582,7 @@ def select_for_rho(
         importance = np.ones(len(profile.t_dw_us))
     budget = timing.budget_us(rho, profile.forward_us, profile.t_full_us)
     args = (profile.t_dw_us, profile.t_dy_us, importance, budget)
-    kwargs = dict(forward_us=profile.forward_us, full_step_us=profile.t_full_us)
+    kwargs = dict(forward_us=profile.forward_us, t_full_us=profile.t_full_us)
     if strategy == "elastic":
         return select_tensors(*args, resolution=resolution, **kwargs)
     if strategy == "topk":

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
-import onnx
 import pytest
 
-from etgraph import graph, timing
+from etgraph import dumps, timing
 from etgraph.errors import ConfigError, InfeasibleBudgetError
+from etgraph.model import LoadedModel
 from etgraph.pipeline import compile_model
 
 
@@ -42,7 +42,8 @@ def compiled(tiny_cnn_onnx, tmp_path_factory):
 def test_plan_agrees_with_profile_graph_and_artifacts(compiled, tiny_cnn_onnx):
     result, out, _ = compiled
     plan = json.loads((out / "plan.json").read_text())
-    tensors = graph.trainable_tensors(onnx.load(str(out / "model.onnx")))
+    model = LoadedModel.load(out / "model.onnx")
+    tensors = model.tensors
     assert [t["name"] for t in plan["tensors"]] == [t.name for t in tensors]
     assert [t["index"] for t in plan["tensors"]] == list(range(len(tensors)))
 
@@ -50,24 +51,22 @@ def test_plan_agrees_with_profile_graph_and_artifacts(compiled, tiny_cnn_onnx):
     assert mask.any() and not mask.all() and result.n_selected == int(mask.sum())
     assert plan["trainable_params"] == [t.name for t, s in zip(tensors, mask, strict=True) if s]
     assert set(plan["trainable_params"]).isdisjoint(plan["frozen_params"])
-    assert set(graph.running_statistics(onnx.load(str(out / "model.onnx")))) <= set(
-        plan["frozen_params"]
-    )
+    assert set(model.running_stats) <= set(plan["frozen_params"])
 
     # The plan's prediction is the time model of its own mask, and it honours the budget.
     t_dw = np.array([t["t_dw_us"] for t in plan["tensors"]])
     t_dy = np.array([t["t_dy_us"] for t in plan["tensors"]])
     predicted = timing.step_us(mask, t_dw, t_dy, plan["forward_us"])
     assert predicted == pytest.approx(plan["predicted_step_us"])
-    assert plan["predicted_step_us"] <= plan["rho"] * plan["full_step_us"] + 1e-6
+    assert plan["predicted_step_us"] <= plan["rho"] * plan["t_full_us"] + 1e-6
 
     profile = json.loads((out / "profile.json").read_text())
-    assert profile["full_step_us"] == pytest.approx(plan["measured_full_step_us"])
+    assert profile["measured_full_step_us"] == pytest.approx(plan["measured_full_step_us"])
     assert timing.step_us(np.ones_like(mask), t_dw, t_dy, plan["forward_us"]) == pytest.approx(
-        plan["full_step_us"]
+        plan["t_full_us"]
     )  # T_full is the time model's full step
 
-    dumped = graph.read_graph(out / "graph.json")
+    dumped = dumps.read_graph(out / "graph.json")
     selected = {
         data["name"]
         for _, data in dumped.nodes(data=True)
@@ -76,6 +75,26 @@ def test_plan_agrees_with_profile_graph_and_artifacts(compiled, tiny_cnn_onnx):
     assert selected == set(plan["trainable_params"])
     for fmt in ("graphml", "dot"):
         assert (out / f"graph.{fmt}").stat().st_size > 0
+
+
+def test_compile_writes_only_the_documented_files(compiled):
+    _, out, _ = compiled
+    top = {p.name for p in out.iterdir()}
+    assert top == {
+        "model.onnx",
+        "graph.json",
+        "graph.graphml",
+        "graph.dot",
+        "profile.json",
+        "plan.json",
+        "artifacts",
+    }
+    assert {p.name for p in (out / "artifacts").iterdir()} == {
+        "training_model.onnx",
+        "eval_model.onnx",
+        "optimizer_model.onnx",
+        "checkpoint",
+    }
 
 
 def test_artifacts_train_as_they_are(compiled):
@@ -109,20 +128,19 @@ def test_profile_cache_makes_recompile_cheap(compiled, tiny_cnn_onnx, tmp_path):
     first = json.loads((out / "profile.json").read_text())
     compile_model(tiny_cnn_onnx, tmp_path, rho=1.0, repeats=3, cache_dir=cache)
     again = json.loads((tmp_path / "profile.json").read_text())
-    assert (
-        again["full_step_us"] == first["full_step_us"]
-    )  # measured once  # a cache hit, not a re-measurement
+    # measured once: a cache hit, not a re-measurement
+    assert again["measured_full_step_us"] == first["measured_full_step_us"]
 
 
 def test_impossible_rho_names_the_smallest_feasible(compiled, tiny_cnn_onnx, tmp_path):
     _, out, cache = compiled
     low, _ = feasible_rho_range(out)
-    with pytest.raises(InfeasibleBudgetError) as err:
+    with pytest.raises(InfeasibleBudgetError, match="raise rho to at least") as err:
         compile_model(tiny_cnn_onnx, tmp_path, rho=low / 2, repeats=3, cache_dir=cache)
     assert err.value.min_rho == pytest.approx(low)
     assert "rho" in str(err.value)
     for bad in (0.0, -0.5, 1.5):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=r"rho must be in \(0, 1\]"):
             compile_model(tiny_cnn_onnx, tmp_path, rho=bad, cache_dir=cache)
 
 

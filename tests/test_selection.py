@@ -208,7 +208,7 @@ def test_infeasible_budget_reports_min_rho():
     assert rho == pytest.approx((forward + 6.0) / full)  # tensor 1 alone: 2 + 0 + 4
     for solver in ALL_SELECTORS[:3]:
         with pytest.raises(InfeasibleBudgetError, match=r"rho to at least 0\.627") as err:
-            solver(t_dw, t_dy, np.ones(3), 5.9, forward_us=forward, full_step_us=full)
+            solver(t_dw, t_dy, np.ones(3), 5.9, forward_us=forward, t_full_us=full)
         assert err.value.min_rho == pytest.approx(rho)
         assert "tensor 1" in str(err.value)
         with pytest.raises(InfeasibleBudgetError, match=r"at least 6\.0 us") as err:
@@ -217,7 +217,7 @@ def test_infeasible_budget_reports_min_rho():
         assert solver(t_dw, t_dy, np.ones(3), 6.0).indices.tolist() == [1]
     # The prefix baseline needs the last tensor: its own, larger, minimum.
     with pytest.raises(InfeasibleBudgetError, match="last tensor") as err:
-        select_backward_prefix(t_dw, t_dy, np.ones(3), 20.0, forward_us=forward, full_step_us=full)
+        select_backward_prefix(t_dw, t_dy, np.ones(3), 20.0, forward_us=forward, t_full_us=full)
     assert err.value.min_rho == pytest.approx((forward + 54.0) / full)
     # Resolution mode: rounding may not make a feasible budget infeasible.
     sel = select_tensors(t_dw, t_dy, np.ones(3), 6.0, resolution=1)

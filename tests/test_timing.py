@@ -108,7 +108,7 @@ def test_min_feasible_rho_is_the_boundary():
             np.ones(7),
             budget_us(rho * 0.999, forward, full),
             forward_us=forward,
-            full_step_us=full,
+            t_full_us=full,
         )
     assert err.value.min_rho == pytest.approx(rho)
 
