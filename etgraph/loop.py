@@ -56,7 +56,6 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import sessions
 from .artifacts import ArtifactCache
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .data import load_dataset
@@ -247,10 +246,8 @@ class _Run:
             )
         # Train with the thread count the timings were measured with, unless told otherwise.
         self.threads = config.threads if config.threads is not None else profile.threads
-        # The one-off 1-4 s import of onnxruntime.training (torch) now, not in period 0's
-        # re-selection time.
-        sessions._training_api()
-
+        # No preloading of onnxruntime.training: the training wheel's `import onnxruntime`
+        # (etgraph.sessions) already imports it and torch, so period 0 does not pay for it.
         self.dataset = load_dataset(
             config.data,
             input_shape=self.input_shape,
