@@ -326,10 +326,9 @@ def train_command(
 ):
     """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
     and digits data) with elastic tensor selection, re-selecting every --period epochs."""
-    from pathlib import Path
-
     from .errors import ConfigError
-    from .runtime import TrainConfig, format_summary, resume, train
+    from .loop import TrainConfig, resume, train
+    from .rundir import format_summary
 
     if resume_dir is not None:
         if model is not None or out is not None:
@@ -339,7 +338,7 @@ def train_command(
         return
     if out is None:
         raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
-    model_path, profile = _train_inputs(model, profile_path, batch_size, input_shape, threads)
+    loaded, profile = _train_inputs(model, profile_path, batch_size, input_shape, threads)
     config = TrainConfig(
         epochs=epochs,
         batch_size=batch_size,
@@ -355,17 +354,18 @@ def train_command(
         max_val_batches=max_val_batches,
         threads=threads,
     )
-    result = train(Path(model_path), profile, config, out, progress=not quiet)
+    result = train(loaded, profile, config, out, progress=not quiet)
     click.echo(format_summary(result))
 
 
 def _train_inputs(model, profile_path, batch_size, input_shape, threads):
-    """(model path, Profile) for `etgraph train`: compiled dir, ONNX file or the default."""
+    """(LoadedModel, Profile) for `etgraph train`: compiled dir, ONNX file or the default.
+    The model is loaded here, once, and handed to the whole run."""
     from pathlib import Path
 
     from .data import DEFAULT_MODEL_PATH
-    from .errors import ModelError
-    from .model import parse_input_shape
+    from .errors import ModelError, ProfileMismatchError
+    from .model import LoadedModel, parse_input_shape
     from .profiler import Profile, default_cache_dir, profile_model
 
     source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
@@ -380,14 +380,12 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads):
     if profile_path is not None:
         profile = Profile.load(profile_path)
         if input_shape and tuple(parse_input_shape(input_shape)) != tuple(profile.input_shape):
-            from .errors import ProfileMismatchError
-
             raise ProfileMismatchError(
                 f"profile {profile_path} was measured at input shape "
                 f"{'x'.join(map(str, profile.input_shape))}, not {input_shape}: re-profile with "
                 "--input-shape or drop --profile"
             )
-        return source, profile
+        return LoadedModel.load(source), profile
     click.echo(f"profiling {source.name} on this device (cached) ...", err=True)
     profile = profile_model(
         source,
@@ -396,4 +394,4 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads):
         threads=threads,
         cache_dir=default_cache_dir(),
     )
-    return source, profile
+    return LoadedModel.load(source), profile

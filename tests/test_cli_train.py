@@ -36,6 +36,7 @@ def _epochs(out) -> list[int]:
     return [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_out_of_the_box_profiles_with_the_cache(tmp_path):
     """No model, no profile: the embedded model and data, profiled on the fly into the cache.
 
@@ -53,6 +54,7 @@ def test_train_out_of_the_box_profiles_with_the_cache(tmp_path):
         assert (out / name).is_file(), name
 
 
+@pytest.mark.slow
 def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, profile_json):
     compiled = tmp_path / "compiled"
     compiled.mkdir()
@@ -65,6 +67,7 @@ def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, pro
     assert "bn-bias" in done.stdout and _epochs(out) == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, fragment",
     [
@@ -84,8 +87,9 @@ def test_train_bad_settings_are_one_line_errors(tmp_path, profile_json, args, fr
     assert fragment in lines[0]
 
 
-def test_train_usage_errors(tmp_path, profile_json):
-    missing_out = run_cli("train", "--profile", str(profile_json))
+def test_train_usage_errors(tmp_path):
+    """Refused before any profile or model is read (so the profile need not exist)."""
+    missing_out = run_cli("train", "--profile", str(tmp_path / "profile.json"))
     assert missing_out.returncode == 1 and "--out" in missing_out.stderr
     no_model = run_cli("train", str(tmp_path / "nope.onnx"), "--out", str(tmp_path / "o"))
     assert no_model.returncode == 1 and "does not exist" in no_model.stderr

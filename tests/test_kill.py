@@ -22,10 +22,16 @@ import numpy as np
 import onnx
 import pytest
 
-from etgraph import model as model_spec
 from etgraph.artifacts import ARTIFACT_FILES, ArtifactPaths
-from etgraph.runtime import RUN_PROPERTY, TrainConfig, read_checkpoint, resume, train
+from etgraph.checkpoint import read_checkpoint
+from etgraph.loop import TrainConfig, resume, train
+from etgraph.model import LoadedModel
+from etgraph.rundir import RUN_PROPERTY
 
+# Every test here kills real training runs and resumes them.
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3
 # period 1, 8 steps, 12 val batches: the subsample of the runtime tests. rho 0.7 admits 8 of the
 # default model's 17 tensors; the importance then moves tensor 16 out and 13 in at period 1.
@@ -34,7 +40,7 @@ CONFIG = dict(
 )
 
 DRIVER = r'''
-"""Train (etgraph.runtime.train) and SIGKILL this process at one write point."""
+"""Train (etgraph.loop.train) and SIGKILL this process at one write point."""
 import json, os, signal, sys
 from pathlib import Path
 
@@ -97,10 +103,14 @@ elif point == "checkpoint-renamed":
 else:
     raise SystemExit(f"unknown kill point {point}")
 
+from etgraph.loop import TrainConfig, train
+from etgraph.model import LoadedModel
 from etgraph.profiler import Profile
-from etgraph.runtime import TrainConfig, train
 
-train(model, Profile.load(profile), TrainConfig(**json.loads(config)), out, progress=False)
+train(
+    LoadedModel.load(model), Profile.load(profile), TrainConfig(**json.loads(config)), out,
+    progress=False,
+)
 '''
 
 
@@ -110,22 +120,20 @@ def synthetic_profile(tmp_path_factory, default_model_path):
     forward, 1 thread): no measurement noise, so the selections are reproducible."""
     import onnxruntime
 
-    from etgraph import graph, onnx_io
     from etgraph.profiler import Profile
 
-    model = onnx_io.load_model(default_model_path)
-    tensors = graph.trainable_tensors(model)
-    n = len(tensors)
+    model = LoadedModel.load(default_model_path)
+    n = len(model.tensors)
     prof = Profile(
-        model_hash=onnx_io.model_hash(model),
-        tensors=[t.name for t in tensors],
-        kinds=[t.kind for t in tensors],
+        model_hash=model.hash,
+        tensors=model.names,
+        kinds=[t.kind for t in model.tensors],
         t_dw_us=np.full(n, 100.0),
         t_dy_us=np.zeros(n),
         forward_us=1000.0,
         full_step_us=1000.0 + 100.0 * n,
         batch_size=4,
-        input_shape=model_spec.input_shape(model),
+        input_shape=model.input_shape(),
         threads=1,
         ort_version=onnxruntime.__version__,
         host="synthetic",
@@ -138,7 +146,7 @@ def straight(tmp_path_factory, default_model_path, synthetic_profile):
     """Log records of the uninterrupted run."""
     prof, _ = synthetic_profile
     out = tmp_path_factory.mktemp("straight") / "run"
-    train(default_model_path, prof, TrainConfig(**CONFIG), out, progress=False)
+    train(LoadedModel.load(default_model_path), prof, TrainConfig(**CONFIG), out, progress=False)
     records = _log(out)
     assert [r["epoch"] for r in records] == list(range(1, EPOCHS + 1))
     # the premise of the artifacts test: period 1 selects differently, so it needs new artifacts
@@ -162,8 +170,17 @@ def _killed_run(tmp_path, point, model_path, profile_json) -> tuple[Path, dict]:
     driver.write_text(DRIVER)
     out, marker = tmp_path / "run", tmp_path / "killed.json"
     args = [str(out), str(marker), str(model_path), str(profile_json), json.dumps(CONFIG)]
+    # The driver imports this checkout's etgraph (not whichever one is installed).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(
-        [sys.executable, str(driver), point, *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(driver), point, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == -signal.SIGKILL, (
         f"the run was not killed at {point} (exit {proc.returncode}):\n{proc.stderr[-2000:]}"

@@ -1,5 +1,6 @@
-"""Elastic training runtime: checkpoint format, state carried across re-selection, strategies,
-an end-to-end run on a subsample of the default task, determinism, and resume after SIGKILL."""
+"""Elastic training: checkpoint format (etgraph.checkpoint), the run directory (etgraph.rundir),
+state carried across re-selection, strategies, an end-to-end run of the period loop
+(etgraph.loop) on a subsample of the default task, determinism, and resume after SIGKILL."""
 
 from __future__ import annotations
 
@@ -9,27 +10,20 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
 
-from etgraph import graph, onnx_io
-from etgraph import model as model_spec
+from etgraph import rundir
 from etgraph.artifacts import ArtifactCache
+from etgraph.checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from etgraph.errors import CheckpointError, ConfigError, InfeasibleBudgetError
-from etgraph.runtime import (
-    RUN_PROPERTY,
-    CarriedState,
-    TrainConfig,
-    TrainingSession,
-    evaluate_onnx,
-    read_checkpoint,
-    resume,
-    train,
-    write_checkpoint,
-)
+from etgraph.loop import TrainConfig, cosine_learning_rate, resume, train
+from etgraph.model import LoadedModel
+from etgraph.rundir import RUN_PROPERTY
 from etgraph.selection import strategy_mask
+from etgraph.sessions import TrainingSession, evaluate_onnx
 
 QUICK = dict(max_steps_per_epoch=8, max_val_batches=12)
 
@@ -59,16 +53,8 @@ def rho(default_profile):
 
 
 @pytest.fixture(scope="module")
-def default_model(default_model_path):
-    model = onnx_io.load_model(default_model_path)
-    tensors = graph.trainable_tensors(model)
-    stats = list(graph.running_statistics(model))
-    weights = {
-        i.name: numpy_helper.to_array(i).copy()
-        for i in model.graph.initializer
-        if i.name in {t.name for t in tensors} | set(stats)
-    }
-    return model, tensors, stats, weights
+def default_model(default_model_path) -> LoadedModel:
+    return LoadedModel.load(default_model_path)
 
 
 # ---- checkpoint format ------------------------------------------------------------------------
@@ -103,36 +89,42 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
     data = path.read_bytes()
     (tmp_path / "cut").write_bytes(data[: len(data) // 3])
     (tmp_path / "junk").write_bytes(b"not a checkpoint at all")
-    for bad in ("cut", "junk", "missing"):
-        with pytest.raises(CheckpointError):
+    for bad, message in (
+        ("cut", "is corrupt"),
+        ("junk", "not an onnxruntime training checkpoint"),
+        ("missing", "cannot read checkpoint"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
             read_checkpoint(tmp_path / bad)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="no weight for trainable tensors"):
         write_checkpoint(path, CarriedState(weights), ["nope"])
 
 
 # ---- carrying state across a re-selection -----------------------------------------------------
 
 
-def _session(model, tensors, stats, selected, state, cache, ckpt):
-    names = [t.name for t in tensors]
-    trainable = [names[i] for i in selected]
-    frozen = [n for n in names if n not in trainable] + stats
-    paths, _ = cache.get(model, trainable, frozen)
+def _session(model: LoadedModel, selected, state, cache, ckpt):
+    mask = np.isin(np.arange(len(model.tensors)), selected)
+    trainable, frozen = model.split(mask)
+    paths, _ = cache.get(model.proto, trainable, frozen)
     write_checkpoint(ckpt, state, trainable)
-    return TrainingSession(paths, ckpt, threads=None), trainable
+    return TrainingSession(paths.directory, ckpt, threads=None), trainable
 
 
+@pytest.mark.slow
 def test_state_carried_exactly_across_reselection(tmp_path, default_model):
     from etgraph.data import load_dataset
 
-    model, tensors, stats, initial = default_model
-    n = len(tensors)
+    model = default_model
+    stats = list(model.running_stats)
+    initial = model.initial_weights()
+    n = len(model.tensors)
     cache = ArtifactCache(tmp_path / "artifacts")
-    data = load_dataset(None, input_shape=model_spec.input_shape(model))
+    data = load_dataset(None, input_shape=model.input_shape())
     sel_a = list(range(n - 6, n))  # the last 6 tensors
     sel_b = [0, 1] + list(range(n - 3, n))  # 2 new at the input, 3 kept at the output
     session_a, train_a = _session(
-        model, tensors, stats, sel_a, CarriedState(dict(initial)), cache, tmp_path / "a.ckpt"
+        model, sel_a, CarriedState(dict(initial)), cache, tmp_path / "a.ckpt"
     )
     for x, y in list(data.train_batches(4, seed=1))[:3]:
         loss, _ = session_a.train_step(x, y, 1e-3)
@@ -141,13 +133,12 @@ def test_state_carried_exactly_across_reselection(tmp_path, default_model):
     carried, requires_grad, _ = read_checkpoint(tmp_path / "after_a")
     assert sorted(requires_grad) == sorted(train_a) and carried.step == 3
 
-    names = [t.name for t in tensors]
-    for name in names:
+    for name in model.names:
         changed = not np.array_equal(carried.weights[name], initial[name])
         assert changed == (name in train_a), name  # trained tensors move, frozen ones do not
     assert any(not np.array_equal(carried.weights[s], initial[s]) for s in stats)  # BN stats run
 
-    session_b, train_b = _session(model, tensors, stats, sel_b, carried, cache, tmp_path / "b.ckpt")
+    session_b, train_b = _session(model, sel_b, carried, cache, tmp_path / "b.ckpt")
     live = session_b.weights()
     assert set(live) == set(carried.weights)
     for name, value in carried.weights.items():
@@ -168,12 +159,157 @@ def test_state_carried_exactly_across_reselection(tmp_path, default_model):
     assert np.isfinite(loss)
 
 
+# ---- the run directory ------------------------------------------------------------------------
+
+
+def test_run_file_round_trip_and_errors(tmp_path):
+    config = TrainConfig(epochs=2, rho=0.7, seed=3)
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(CheckpointError, match="holds no training run"):
+        rundir.read_run_file(out, TrainConfig.from_json)
+    rundir.write_run_file(
+        out,
+        model=tmp_path / "m.onnx",
+        config=config.to_json(),
+        config_hash=config.digest(),
+        artifacts_root=None,
+    )
+    model, again, root = rundir.read_run_file(out, TrainConfig.from_json)
+    assert (model, again, root) == (tmp_path / "m.onnx", config, None)
+    info = json.loads((out / "run.json").read_text())
+    assert list(info) == ["model", "config", "config_hash", "artifacts_root"]
+
+    (out / "run.json").write_text(json.dumps({**info, "config": {**info["config"], "rho": 0.5}}))
+    with pytest.raises(CheckpointError, match="config hash differs"):
+        rundir.read_run_file(out, TrainConfig.from_json)
+    for broken in ("{not json", json.dumps({"config": info["config"]}), json.dumps([1])):
+        (out / "run.json").write_text(broken)
+        with pytest.raises(CheckpointError, match="is corrupt"):
+            rundir.read_run_file(out, TrainConfig.from_json)
+
+
+def test_new_run_directory_checks(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="is not writable"):
+        rundir.prepare_run_dir(blocker / "run")
+    out = rundir.prepare_run_dir(tmp_path / "run")
+    (out / "checkpoint").write_bytes(b"")
+    with pytest.raises(ConfigError, match="already holds a training run"):
+        rundir.prepare_run_dir(out)
+
+
+def test_log_truncation_and_temporaries(tmp_path):
+    out = tmp_path
+    rundir.start_log(out)
+    for epoch in (1, 2, 3):
+        rundir.append_log(out, {"epoch": epoch, "val_loss": 1.0 / epoch})
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"epoch": 4, "val_lo')  # a line cut by a kill
+    assert [r["epoch"] for r in rundir.read_log(out)] == [1, 2, 3]
+    assert [r["epoch"] for r in rundir.truncate_log(out, 2)] == [1, 2]
+    assert [json.loads(line)["epoch"] for line in (out / "log.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+    ]
+    left = [".checkpoint.x1y2", ".log.jsonl.abc", ".model_trained.onnx.tmp", ".summary.json.q"]
+    kept = [".other.file", "checkpoint"]
+    for name in left + kept:
+        (out / name).write_text("")
+    rundir.remove_temporaries(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["log.jsonl", *kept])
+
+
+def test_resume_checks_of_the_checkpoint(tmp_path, default_model):
+    model = default_model
+    weights = model.initial_weights()
+    mask = np.zeros(len(model.tensors), dtype=bool)
+    mask[-2:] = True
+    trainable, _ = model.split(mask)
+    props = rundir.checkpoint_properties(
+        epoch=3, global_step=24, mask=mask, config_hash="abc", seed=1
+    )
+    state = json.loads(props[RUN_PROPERTY])
+    assert state["selection"] == list(np.flatnonzero(mask)) and state["global_step"] == 24
+    ckpt = tmp_path / "checkpoint"
+    write_checkpoint(ckpt, CarriedState(weights, step=24), trainable, properties=props)
+    carried, epoch = rundir.read_run_checkpoint(tmp_path, model, "abc")
+    assert epoch == 3 and carried.step == 24 and set(carried.weights) == set(weights)
+    with pytest.raises(CheckpointError, match="belongs to another configuration"):
+        rundir.read_run_checkpoint(tmp_path, model, "other")
+
+    name = model.names[0]
+    for change, message in (
+        (lambda w: w.pop(name), "lacks tensors"),
+        (lambda w: w.update({name: w[name].astype(np.float64)}), "float64"),
+        (lambda w: w.update({name: np.zeros((1, *w[name].shape), w[name].dtype)}), "holds"),
+    ):
+        bad = dict(weights)
+        change(bad)
+        write_checkpoint(ckpt, CarriedState(bad), trainable, properties=props)
+        with pytest.raises(CheckpointError, match=message):
+            rundir.read_run_checkpoint(tmp_path, model, "abc")
+    write_checkpoint(ckpt, CarriedState(weights), trainable)
+    with pytest.raises(CheckpointError, match="has no run state"):
+        rundir.read_run_checkpoint(tmp_path, model, "abc")
+
+
+def test_summary_of_records(tmp_path):
+    def record(epoch, period, **kw):
+        return dict(
+            epoch=epoch,
+            period=period,
+            steps=10,
+            wall_time_s=2.0,
+            reselection_s=0.5,
+            measured_step_us=100_000.0,
+            predicted_step_us=80_000.0,
+            peak_rss_mb=100.0 + epoch,
+            val_acc=0.5,
+            val_loss=1.0,
+            **kw,
+        )
+
+    records = [record(1, 0), record(2, 0), record(3, 1)]
+    profile = SimpleNamespace(full_step_us=200_000.0, t_full_us=160_000.0)
+    result = rundir.summarize(
+        tmp_path,
+        records,
+        strategy="elastic",
+        rho=0.5,
+        profile=profile,
+        inference_acc=0.5,
+        trained_model=tmp_path / "m.onnx",
+    )
+    assert result.epochs == 3 and result.wall_time_s == 6.0
+    assert result.predicted_full_time_s == pytest.approx(6.0)
+    assert result.speedup == pytest.approx(1.0)
+    assert result.rho_predicted == pytest.approx(0.5) and result.rho_achieved == pytest.approx(0.5)
+    assert result.first_selection_s == 1.0 and result.reselection_overhead_pct == 25.0
+    assert (result.peak_rss_mb_first_period, result.peak_rss_mb_last_period) == (102.0, 103.0)
+    rundir.write_summary(tmp_path, result)
+    assert json.loads((tmp_path / "summary.json").read_text())["epochs"] == 3
+    text = rundir.format_summary(result)
+    for fragment in ("strategy            elastic", "speedup 1.00x", "requested 0.50"):
+        assert fragment in text
+
+
+def test_cosine_learning_rate():
+    assert cosine_learning_rate(1.0, 0, 100) == 1.0
+    assert cosine_learning_rate(1.0, 50, 100) == pytest.approx(0.5)
+    assert cosine_learning_rate(1.0, 100, 100) == pytest.approx(0.0)
+    assert cosine_learning_rate(1.0, 200, 100) == pytest.approx(0.0)  # clamped
+    assert cosine_learning_rate(1e-3, 5, 0) == 1e-3
+
+
 # ---- strategies -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_strategy_masks(default_profile, default_model, rho):
     prof, _ = default_profile
-    _, tensors, _, _ = default_model
+    tensors = list(default_model.tensors)
     n = len(tensors)
     importance = np.linspace(1.0, 2.0, n)
     assert strategy_mask("full", tensors, prof, 0.5, None).all()
@@ -189,21 +325,21 @@ def test_strategy_masks(default_profile, default_model, rho):
     prefix = strategy_mask("prefix", tensors, prof, rho, None)
     first = int(np.flatnonzero(prefix)[0])
     assert prefix[first:].all()
-    with pytest.raises(InfeasibleBudgetError):
+    with pytest.raises(InfeasibleBudgetError, match="raise rho to at least"):
         strategy_mask("elastic", tensors, prof, 0.5 * prof.forward_us / prof.t_full_us, importance)
 
 
 def test_config_validation():
-    for bad in (
-        dict(rho=0.0),
-        dict(rho=1.5),
-        dict(period=0),
-        dict(epochs=0),
-        dict(batch_size=0),
-        dict(strategy="random"),
-        dict(learning_rate=-1.0),
+    for bad, message in (
+        (dict(rho=0.0), "rho must be in"),
+        (dict(rho=1.5), "rho must be in"),
+        (dict(period=0), "period must be a positive integer"),
+        (dict(epochs=0), "epochs must be a positive integer"),
+        (dict(batch_size=0), "batch size must be a positive integer"),
+        (dict(strategy="random"), "unknown strategy 'random'"),
+        (dict(learning_rate=-1.0), "learning rate must be positive"),
     ):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=message):
             TrainConfig(**bad).validate()
 
 
@@ -214,14 +350,13 @@ def _losses(out_dir):
     return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
 
 
-def test_elastic_run_outputs_export_and_determinism(
-    tmp_path, default_profile, default_model_path, rho
-):
+@pytest.mark.slow
+def test_elastic_run_outputs_export_and_determinism(tmp_path, default_profile, default_model, rho):
     from PIL import Image
 
     prof, _ = default_profile
     config = TrainConfig(epochs=3, period=1, rho=rho, seed=1, **QUICK)
-    result = train(default_model_path, prof, config, tmp_path / "run", progress=False)
+    result = train(default_model, prof, config, tmp_path / "run", progress=False)
     out = tmp_path / "run"
     records = _losses(out)
     assert [r["epoch"] for r in records] == [1, 2, 3]
@@ -246,17 +381,18 @@ def test_elastic_run_outputs_export_and_determinism(
     assert loss == pytest.approx(records[-1]["val_loss"], rel=1e-4)
     assert result.inference_val_acc == pytest.approx(records[-1]["val_acc"], abs=1e-9)
     # determinism: the same seed and data give the same selections and losses
-    train(default_model_path, prof, config, tmp_path / "again", progress=False)
+    train(default_model, prof, config, tmp_path / "again", progress=False)
     again = _losses(tmp_path / "again")
     assert [r["selection"] for r in again] == [r["selection"] for r in records]
     for key in ("train_loss", "val_loss", "val_acc"):
         np.testing.assert_allclose([r[key] for r in again], [r[key] for r in records], rtol=1e-5)
     # an existing run is not overwritten
-    with pytest.raises(ConfigError):
-        train(default_model_path, prof, config, tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match="already holds a training run"):
+        train(default_model, prof, config, tmp_path / "run", progress=False)
 
 
-def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, rho):
+@pytest.mark.slow
+def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, default_model, rho):
     prof, profile_json = default_profile
     out = tmp_path / "killed"
     args = [
@@ -289,7 +425,7 @@ def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, rho
     assert (out / "model_trained.onnx").is_file()
     # the resumed run continues exactly like an uninterrupted one
     config = TrainConfig(epochs=4, period=1, rho=rho, max_steps_per_epoch=25, max_val_batches=5)
-    train(default_model_path, prof, config, tmp_path / "straight", progress=False)
+    train(default_model, prof, config, tmp_path / "straight", progress=False)
     straight = _losses(tmp_path / "straight")
     assert [r["selection"] for r in straight] == [r["selection"] for r in records]
     np.testing.assert_allclose(
@@ -297,13 +433,14 @@ def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, rho
     )
 
 
-def test_resume_errors(tmp_path, default_profile, default_model_path, rho):
-    with pytest.raises(CheckpointError):
+@pytest.mark.slow
+def test_resume_errors(tmp_path, default_profile, default_model, rho):
+    with pytest.raises(CheckpointError, match="holds no training run"):
         resume(tmp_path / "nothing-here", progress=False)
     prof, _ = default_profile
     config = TrainConfig(epochs=1, period=1, rho=rho, **QUICK)
     out = tmp_path / "run"
-    train(default_model_path, prof, config, out, progress=False)
+    train(default_model, prof, config, out, progress=False)
     (out / "checkpoint").write_bytes((out / "checkpoint").read_bytes()[:200])
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="is corrupt"):
         resume(out, progress=False)

@@ -1,0 +1,232 @@
+"""ORT training checkpoints: read and write the flatbuffer format of onnxruntime-training 1.19.2.
+
+A re-selection (paper §4, "elastic" selection every period) starts a new ORT session whose
+trainable set differs from the last one. What survives is a :class:`CarriedState`: every weight
+(trainable tensors, frozen tensors, BatchNorm running statistics), the AdamW moments of the
+tensors that were trainable, and the AdamW step count. ORT 1.19.2 has no Python API for optimizer
+moments but loads them from a checkpoint, so this module reads and writes the checkpoint itself,
+with the flatbuffer bindings shipped in the wheel (``onnxruntime/tools/ort_format_model/
+ort_flatbuffers_py``; file identifier ``ODTC``, version 2, one optimizer group ``group0``).
+
+* :func:`read_checkpoint` — state, trainable names and string properties of a checkpoint
+  (``CheckpointState.save_checkpoint``'s or :func:`write_checkpoint`'s).
+* :func:`write_checkpoint` — a checkpoint that starts a session for a new selection: newly
+  trainable tensors get zero moments (ORT requires an entry for every trainable parameter).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import flatbuffers
+import numpy as np
+from onnx import helper
+from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
+
+from .errors import CheckpointError, ConfigError
+from .files import write_atomic
+
+__all__ = ["MOMENT_NAMES", "CarriedState", "read_checkpoint", "write_checkpoint"]
+
+#: Names of the AdamW moments ORT stores per trainable parameter (first, second moment).
+MOMENT_NAMES = ("momentum0", "momentum1")
+
+
+@dataclass
+class CarriedState:
+    """Everything that survives a re-selection.
+
+    Attributes:
+        weights: name -> array for every parameter of the session: trainable tensors (selected
+            or not) and BatchNorm running statistics.
+        moments: name -> {"momentum0": m, "momentum1": v} for the tensors that were trainable
+            in the session the state came from (AdamW first/second moments, tensor shape).
+        step: AdamW step count (shared by all tensors: ORT has one optimizer group).
+    """
+
+    weights: dict[str, np.ndarray]
+    moments: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    step: int = 0
+
+
+def _tensor_to_array(t) -> np.ndarray:
+    dtype = helper.tensor_dtype_to_np_dtype(t.DataType())
+    dims = tuple(int(d) for d in t.DimsAsNumpy()) if t.DimsLength() else ()
+    raw = t.RawDataAsNumpy() if t.RawDataLength() else np.zeros(0, np.uint8)
+    return np.frombuffer(raw.tobytes(), dtype=dtype).reshape(dims)
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[CarriedState, list[str], dict[str, str]]:
+    """Read an ORT training checkpoint (flatbuffer ``ODTC``, as saved by ORT 1.19.2).
+
+    Args:
+        path: checkpoint file (``CheckpointState.save_checkpoint`` or :func:`write_checkpoint`).
+
+    Returns:
+        ``(state, requires_grad, properties)``: the carried state (weights of all parameters,
+        moments if the checkpoint holds optimizer state, step), the names of the trainable
+        parameters, and the string properties.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, or not an ORT checkpoint.
+    """
+    path = Path(path)
+    try:
+        buf = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror}") from exc
+    if len(buf) < 8 or buf[4:8] != b"ODTC":
+        raise CheckpointError(f"{path} is not an onnxruntime training checkpoint (bad header)")
+    try:
+        ck = fbs.Checkpoint.Checkpoint.GetRootAs(buf, 0)
+        ms = ck.ModuleState()
+        weights: dict[str, np.ndarray] = {}
+        requires_grad = []
+        for j in range(ms.RequiresGradParamsLength()):
+            t = ms.RequiresGradParams(j)
+            name = t.Name().decode()
+            weights[name] = _tensor_to_array(t)
+            requires_grad.append(name)
+        for j in range(ms.FrozenParamsLength()):
+            t = ms.FrozenParams(j)
+            weights[t.Name().decode()] = _tensor_to_array(t)
+        moments: dict[str, dict[str, np.ndarray]] = {}
+        step = 0
+        for g in range(ck.OptimizerGroupsLength()):
+            group = ck.OptimizerGroups(g)
+            step = int(group.Step())
+            for s in range(group.OptimizerStatesLength()):
+                ps = group.OptimizerStates(s)
+                moments[ps.ParamName().decode()] = {
+                    ps.Momentums(k).Name().decode(): _tensor_to_array(ps.Momentums(k))
+                    for k in range(ps.MomentumsLength())
+                }
+        properties = {}
+        bag = ck.PropertyBag()
+        if bag is not None:
+            for j in range(bag.StringsLength()):
+                sp = bag.Strings(j)
+                properties[sp.Name().decode()] = sp.Value().decode()
+    except Exception as exc:  # flatbuffers raises IndexError/struct.error on corrupt data
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt ({type(exc).__name__}): delete it to start over"
+        ) from exc
+    return CarriedState(weights, moments, step), requires_grad, properties
+
+
+def _fb_tensor(builder, name: str, array: np.ndarray) -> int:
+    array = np.ascontiguousarray(array)
+    name_off = builder.CreateString(name)
+    dims_off = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
+    raw_off = builder.CreateNumpyVector(np.frombuffer(array.tobytes(), dtype=np.uint8))
+    fbs.Tensor.Start(builder)
+    fbs.Tensor.AddName(builder, name_off)
+    fbs.Tensor.AddDims(builder, dims_off)
+    fbs.Tensor.AddDataType(builder, helper.np_dtype_to_tensor_dtype(array.dtype))
+    fbs.Tensor.AddRawData(builder, raw_off)
+    return fbs.Tensor.End(builder)
+
+
+def _fb_vector(builder, start, offsets: list[int]) -> int:
+    start(builder, len(offsets))
+    for off in reversed(offsets):
+        builder.PrependUOffsetTRelative(off)
+    return builder.EndVector()
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    state: CarriedState,
+    requires_grad: Sequence[str],
+    *,
+    initial_learning_rate: float = 1e-4,
+    properties: Mapping[str, str] | None = None,
+) -> None:
+    """Write an ORT training checkpoint that starts a session for a new selection.
+
+    Every weight in ``state.weights`` is stored: the names in ``requires_grad`` as trainable,
+    the rest as frozen. The optimizer state holds ``state.step`` and, for every trainable name,
+    its moments from ``state.moments`` when present, zeros otherwise (ORT requires an entry for
+    every trainable parameter). Written atomically (:func:`etgraph.files.write_atomic`).
+
+    Args:
+        path: destination file.
+        state: weights (all parameters), moments, step.
+        requires_grad: names of the parameters the new session trains (subset of weights).
+        initial_learning_rate: stored in the optimizer group (the runtime sets lr each step).
+        properties: string properties stored in the checkpoint.
+
+    Raises:
+        ConfigError: a ``requires_grad`` name has no weight, or a moment's shape differs.
+    """
+    trainable = set(requires_grad)
+    missing = trainable - set(state.weights)
+    if missing:
+        raise ConfigError(f"no weight for trainable tensors {sorted(missing)[:5]}")
+    b = flatbuffers.Builder(1 << 20)
+    train_offs, frozen_offs = [], []
+    for name in sorted(state.weights):
+        off = _fb_tensor(b, name, state.weights[name])
+        (train_offs if name in trainable else frozen_offs).append(off)
+    train_vec = _fb_vector(b, fbs.ModuleState.StartRequiresGradParamsVector, train_offs)
+    frozen_vec = _fb_vector(b, fbs.ModuleState.StartFrozenParamsVector, frozen_offs)
+    fbs.ModuleState.Start(b)
+    fbs.ModuleState.AddRequiresGradParams(b, train_vec)
+    fbs.ModuleState.AddFrozenParams(b, frozen_vec)
+    fbs.ModuleState.AddIsNominalState(b, False)
+    fbs.ModuleState.AddHasExternalData(b, False)
+    module_off = fbs.ModuleState.End(b)
+
+    param_offs = []
+    for name in sorted(trainable):
+        weight = state.weights[name]
+        carried = state.moments.get(name, {})
+        moment_offs = []
+        for moment in MOMENT_NAMES:
+            value = carried.get(moment)
+            if value is None:
+                value = np.zeros_like(weight)
+            elif value.shape != weight.shape:
+                raise ConfigError(f"moment {moment} of {name!r} has shape {value.shape}")
+            moment_offs.append(_fb_tensor(b, moment, value))
+        moments_vec = _fb_vector(b, fbs.ParameterOptimizerState.StartMomentumsVector, moment_offs)
+        name_off = b.CreateString(name)
+        fbs.ParameterOptimizerState.Start(b)
+        fbs.ParameterOptimizerState.AddParamName(b, name_off)
+        fbs.ParameterOptimizerState.AddMomentums(b, moments_vec)
+        param_offs.append(fbs.ParameterOptimizerState.End(b))
+    states_vec = _fb_vector(b, fbs.OptimizerGroup.StartOptimizerStatesVector, param_offs)
+    group_name = b.CreateString("group0")
+    fbs.OptimizerGroup.Start(b)
+    fbs.OptimizerGroup.AddGroupName(b, group_name)
+    fbs.OptimizerGroup.AddStep(b, int(state.step))
+    fbs.OptimizerGroup.AddInitialLearningRate(b, float(initial_learning_rate))
+    fbs.OptimizerGroup.AddOptimizerStates(b, states_vec)
+    group_off = fbs.OptimizerGroup.End(b)
+    groups_vec = _fb_vector(b, fbs.Checkpoint.StartOptimizerGroupsVector, [group_off])
+
+    bag_off = None
+    if properties:
+        prop_offs = []
+        for key, value in sorted(properties.items()):
+            k_off, v_off = b.CreateString(key), b.CreateString(value)
+            fbs.StringProperty.Start(b)
+            fbs.StringProperty.AddName(b, k_off)
+            fbs.StringProperty.AddValue(b, v_off)
+            prop_offs.append(fbs.StringProperty.End(b))
+        strings_vec = _fb_vector(b, fbs.PropertyBag.StartStringsVector, prop_offs)
+        fbs.PropertyBag.Start(b)
+        fbs.PropertyBag.AddStrings(b, strings_vec)
+        bag_off = fbs.PropertyBag.End(b)
+
+    fbs.Checkpoint.Start(b)
+    fbs.Checkpoint.AddVersion(b, 2)  # the version ORT 1.19.2 writes and reads
+    fbs.Checkpoint.AddModuleState(b, module_off)
+    fbs.Checkpoint.AddOptimizerGroups(b, groups_vec)
+    if bag_off is not None:
+        fbs.Checkpoint.AddPropertyBag(b, bag_off)
+    b.Finish(fbs.Checkpoint.End(b), file_identifier=b"ODTC")
+    write_atomic(path, bytes(b.Output()))

@@ -1,0 +1,405 @@
+"""The run directory of ``etgraph train``: its files, log, summary and the checks that resume it.
+
+A run directory holds (names below; the period loop is :mod:`etgraph.loop`):
+
+* ``run.json`` — model path, configuration and its hash, artifact cache (:func:`write_run_file`);
+* ``profile.json`` — the profile the run selects with;
+* ``log.jsonl`` — one :class:`EpochRecord` per line, appended and fsynced after every epoch
+  (:func:`etgraph.files.append_jsonl`; read back with :func:`etgraph.files.read_jsonl`);
+* ``checkpoint`` — ORT checkpoint after every period: weights, AdamW moments and step, and the
+  run state in the string property ``etgraph_run`` (:func:`checkpoint_properties`);
+* ``model_trained.onnx``, ``curves.png``, ``selection.png``, ``summary.json`` at the end
+  (:class:`TrainResult`, :func:`summarize`, :func:`format_summary`);
+* ``artifacts/`` (the run's own artifact cache unless a shared one is given) and ``.session/``
+  (the checkpoint a new selection's session starts from; removed at the end).
+
+Every file is written atomically (:mod:`etgraph.files`): a kill leaves the last complete version
+and, at worst, temporaries that :func:`remove_temporaries` deletes when the run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+from onnx import helper
+
+from . import files
+from .checkpoint import CarriedState, read_checkpoint
+from .errors import CheckpointError, ConfigError
+from .model import LoadedModel
+
+__all__ = [
+    "ARTIFACTS_DIR",
+    "CHECKPOINT_FILE",
+    "CURVES_FILE",
+    "LOG_FILE",
+    "PROFILE_FILE",
+    "RUN_FILE",
+    "RUN_PROPERTY",
+    "SELECTION_FILE",
+    "SESSION_DIR",
+    "SUMMARY_FILE",
+    "TRAINED_MODEL_FILE",
+    "EpochRecord",
+    "TrainResult",
+    "append_log",
+    "checkpoint_properties",
+    "format_summary",
+    "prepare_run_dir",
+    "read_log",
+    "read_run_checkpoint",
+    "read_run_file",
+    "remove_temporaries",
+    "start_log",
+    "summarize",
+    "truncate_log",
+    "write_run_file",
+    "write_summary",
+]
+
+LOG_FILE = "log.jsonl"
+CHECKPOINT_FILE = "checkpoint"
+RUN_FILE = "run.json"
+PROFILE_FILE = "profile.json"
+SUMMARY_FILE = "summary.json"
+TRAINED_MODEL_FILE = "model_trained.onnx"
+CURVES_FILE = "curves.png"
+SELECTION_FILE = "selection.png"
+ARTIFACTS_DIR = "artifacts"
+SESSION_DIR = ".session"
+#: String property of the run's checkpoint holding the run state (JSON).
+RUN_PROPERTY = "etgraph_run"
+
+#: Files written atomically in the run directory: their temporaries are removed on resume.
+_ATOMIC_FILES = (CHECKPOINT_FILE, LOG_FILE, SUMMARY_FILE, RUN_FILE, TRAINED_MODEL_FILE)
+
+C = TypeVar("C")
+
+
+# ---- records -----------------------------------------------------------------------------------
+
+
+@dataclass
+class EpochRecord:
+    """One line of ``log.jsonl`` (times in seconds unless ``_us``; accuracies in [0, 1])."""
+
+    epoch: int  # 1-based
+    period: int  # 0-based period index
+    train_loss: float
+    train_acc: float
+    val_loss: float
+    val_acc: float
+    wall_time_s: float  # this epoch, training only (validation excluded, as in the paper)
+    cumulative_wall_time_s: float
+    learning_rate: float  # at the end of the epoch
+    selection: list[int]  # indices of the selected tensors (forward order)
+    n_tensors: int
+    predicted_step_us: float
+    measured_step_us: float  # mean step (forward+backward+update), first step of a session excluded
+    reselection_s: float  # importance + selection + artifacts + session creation (0 if none)
+    importance_s: float
+    selection_s: float
+    artifacts_s: float
+    session_s: float
+    artifacts_cache_hit: bool | None
+    peak_rss_mb: float  # peak resident memory of this period so far
+    steps: int
+
+
+@dataclass
+class TrainResult:
+    """Summary of a finished run (also written to ``summary.json``)."""
+
+    out_dir: str
+    strategy: str
+    epochs: int
+    final_val_acc: float
+    final_val_loss: float
+    inference_val_acc: float  # of the exported model in a plain InferenceSession
+    wall_time_s: float
+    predicted_full_time_s: float  # full_step_us * steps (what full training would take)
+    speedup: float  # predicted_full_time_s / wall_time_s
+    rho_requested: float
+    rho_predicted: float  # mean predicted step / t_full_us (both from the time model)
+    rho_achieved: float  # mean measured step / full_step_us
+    first_selection_s: float  # period 0: importance + DP + the first session (full pays one too)
+    reselection_overhead_pct: float  # re-selections of periods >= 1, % of those periods' wall time
+    peak_rss_mb_first_period: float
+    peak_rss_mb_last_period: float
+    trained_model: str
+
+
+# ---- run.json and the directory ---------------------------------------------------------------
+
+
+def prepare_run_dir(out: Path) -> Path:
+    """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`) and
+    not holding another run.
+
+    Raises:
+        ConfigError: ``out`` cannot be written, or holds a run (continue it with ``--resume``).
+    """
+    files.ensure_writable_dir(out, "--out")
+    if (out / CHECKPOINT_FILE).exists() or (out / RUN_FILE).exists():
+        raise ConfigError(
+            f"{out} already holds a training run: continue it with `etgraph train --resume {out}` "
+            "or choose another --out"
+        )
+    return out
+
+
+def write_run_file(
+    out: Path,
+    *,
+    model: str | os.PathLike,
+    config: Mapping,
+    config_hash: str,
+    artifacts_root: str | os.PathLike | None,
+) -> Path:
+    """Write ``run.json`` (what :func:`read_run_file` needs to resume the run), atomically.
+
+    Args:
+        out: run directory.
+        model: absolute path of the forward ONNX model (reloaded on resume).
+        config: the configuration as JSON (``TrainConfig.to_json()``).
+        config_hash: its digest (``TrainConfig.digest()``), checked on resume.
+        artifacts_root: a shared artifact cache, or None for the run's own ``artifacts/``.
+    """
+    info = {
+        "model": str(model),
+        "config": dict(config),
+        "config_hash": config_hash,
+        "artifacts_root": str(Path(artifacts_root).resolve()) if artifacts_root else None,
+    }
+    return files.write_json_atomic(out / RUN_FILE, info)
+
+
+def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C, Path | None]:
+    """Read ``run.json`` of the run in ``out``.
+
+    Args:
+        out: run directory.
+        load_config: builds the configuration from its JSON dict and validates it (e.g.
+            ``TrainConfig.from_json``); it must have ``digest()``.
+
+    Returns:
+        ``(model, config, artifacts_root)`` as given to :func:`write_run_file`.
+
+    Raises:
+        CheckpointError: no ``run.json`` (no run there), unreadable or incomplete, or its
+            configuration does not match its hash (edited by hand).
+        ConfigError: as ``load_config`` for an out-of-range setting.
+    """
+    path = out / RUN_FILE
+    try:
+        info = json.loads(path.read_text())
+        config = load_config(info["config"])
+        model = Path(info["model"])
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{out} holds no training run ({RUN_FILE} missing): start one with `etgraph train`"
+        ) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is corrupt: start a new run") from exc
+    if info.get("config_hash") != config.digest():
+        raise CheckpointError(f"{path} was modified (config hash differs)")
+    artifacts_root = info.get("artifacts_root")
+    return model, config, Path(artifacts_root) if artifacts_root else None
+
+
+def remove_temporaries(out: Path) -> None:
+    """Delete the temporaries of atomic writes a killed run left half-written in ``out`` (never
+    read, they would otherwise stay forever). The artifact cache removes its own."""
+    files.remove_temporaries(out, _ATOMIC_FILES)
+
+
+# ---- the log ----------------------------------------------------------------------------------
+
+
+def start_log(out: Path) -> None:
+    """Start an empty ``log.jsonl`` (a new run, or a restart before the first checkpoint)."""
+    (out / LOG_FILE).write_text("")
+
+
+def append_log(out: Path, record: dict) -> None:
+    """Append one epoch's record to ``log.jsonl``, fsynced (survives a kill)."""
+    files.append_jsonl(out / LOG_FILE, record)
+
+
+def read_log(out: str | os.PathLike) -> list[dict]:
+    """The epoch records of the run in ``out``, in order, up to a line cut by a kill."""
+    return files.read_jsonl(Path(out) / LOG_FILE)
+
+
+def truncate_log(out: Path, epoch: int) -> list[dict]:
+    """Keep the records of epochs ``<= epoch`` (those of the last checkpoint), rewriting the log
+    atomically: the epochs after it are trained again on resume. Returns the kept records."""
+    records = [r for r in read_log(out) if r["epoch"] <= epoch]
+    files.write_atomic(out / LOG_FILE, "".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+# ---- the run's checkpoint ---------------------------------------------------------------------
+
+
+def checkpoint_properties(
+    *, epoch: int, global_step: int, mask: np.ndarray, config_hash: str, seed: int
+) -> dict[str, str]:
+    """String properties of the checkpoint after ``epoch`` (a period end): the run state that
+    :func:`read_run_checkpoint` checks and resumes from.
+
+    Args:
+        epoch: epochs done (1-based count).
+        global_step: training steps done.
+        mask: bool [N], the selection of the period that just ended.
+        config_hash: ``TrainConfig.digest()`` of the run.
+        seed: the run seed (the data order and probe batches derive from it).
+    """
+    run_state = {
+        "epoch": epoch,
+        "global_step": global_step,
+        "selection": [int(i) for i in np.flatnonzero(mask)],
+        "config_hash": config_hash,
+        "rng": {
+            "scheme": "epoch seed = seed*1000+epoch; probe seed = seed*1000+100000+period",
+            "seed": seed,
+        },
+    }
+    return {RUN_PROPERTY: json.dumps(run_state)}
+
+
+def read_run_checkpoint(
+    out: Path, model: LoadedModel, config_hash: str
+) -> tuple[CarriedState, int]:
+    """Read the run's ``checkpoint`` and check that it can resume training ``model``.
+
+    Returns:
+        ``(state, epoch)``: the carried state and the number of epochs done.
+
+    Raises:
+        CheckpointError: corrupt; without etgraph's run state; of another configuration; lacks
+            a tensor of ``model``; or holds a tensor whose shape or dtype differs from the
+            model's (ORT would fail deep inside otherwise). Each message names the file.
+    """
+    path = out / CHECKPOINT_FILE
+    carried, _, properties = read_checkpoint(path)
+    try:
+        run_state = json.loads(properties[RUN_PROPERTY])
+        epoch = int(run_state["epoch"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} has no run state: it was not written by etgraph"
+        ) from exc
+    if run_state.get("config_hash") != config_hash:
+        raise CheckpointError(f"checkpoint {path} belongs to another configuration")
+    missing = (set(model.names) | set(model.running_stats)) - set(carried.weights)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks tensors {sorted(missing)[:3]}: it belongs to another model"
+        )
+    for init in model.proto.graph.initializer:
+        if init.name in carried.weights:
+            have = carried.weights[init.name]
+            want = (tuple(init.dims), helper.tensor_dtype_to_np_dtype(init.data_type))
+            if (have.shape, have.dtype) != want:
+                raise CheckpointError(
+                    f"checkpoint {path} holds {init.name!r} as {have.dtype} "
+                    f"{list(have.shape)}, the model needs {want[1]} {list(want[0])}: it is "
+                    "corrupt or of another model; delete the run directory to start over"
+                )
+    return carried, epoch
+
+
+# ---- the summary ------------------------------------------------------------------------------
+
+
+def summarize(
+    out: Path,
+    records: Sequence[dict],
+    *,
+    strategy: str,
+    rho: float,
+    profile,
+    inference_acc: float,
+    trained_model: Path,
+) -> TrainResult:
+    """The :class:`TrainResult` of a finished run from its epoch records.
+
+    Args:
+        out: run directory (reported as given).
+        records: all epoch records (:class:`EpochRecord` dicts), in order.
+        strategy, rho: the run's strategy and requested rho.
+        profile: the run's :class:`etgraph.profiler.Profile` (``full_step_us``: the measured
+            full step; ``t_full_us``: the time model's).
+        inference_acc: validation accuracy of the exported model, in [0, 1].
+        trained_model: path of the exported model.
+    """
+    steps = sum(r["steps"] for r in records)
+    wall = sum(r["wall_time_s"] for r in records)
+    later = [r for r in records if r["period"] > 0]
+    later_wall = sum(r["wall_time_s"] for r in later)
+    first_selection = sum(r["reselection_s"] for r in records if r["period"] == 0)
+    predicted_full = profile.full_step_us * 1e-6 * steps
+    weights = np.array([r["steps"] for r in records], dtype=np.float64)
+    measured = np.array([r["measured_step_us"] for r in records], dtype=np.float64)
+    predicted = np.array([r["predicted_step_us"] for r in records], dtype=np.float64)
+    ok = np.isfinite(measured)
+    rss: dict[int, float] = {}
+    for r in records:
+        rss[r["period"]] = max(rss.get(r["period"], 0.0), r["peak_rss_mb"])
+    last = records[-1] if records else {}
+    return TrainResult(
+        out_dir=str(out),
+        strategy=strategy,
+        epochs=len(records),
+        final_val_acc=float(last.get("val_acc", float("nan"))),
+        final_val_loss=float(last.get("val_loss", float("nan"))),
+        inference_val_acc=float(inference_acc),
+        wall_time_s=float(wall),
+        predicted_full_time_s=float(predicted_full),
+        speedup=float(predicted_full / wall) if wall > 0 else float("nan"),
+        rho_requested=rho,
+        rho_predicted=float(np.average(predicted, weights=weights) / profile.t_full_us),
+        rho_achieved=float(np.average(measured[ok], weights=weights[ok]) / profile.full_step_us)
+        if ok.any()
+        else float("nan"),
+        first_selection_s=float(first_selection),
+        reselection_overhead_pct=float(
+            100.0 * sum(r["reselection_s"] for r in later) / later_wall if later_wall > 0 else 0.0
+        ),
+        peak_rss_mb_first_period=float(rss[min(rss)]) if rss else float("nan"),
+        peak_rss_mb_last_period=float(rss[max(rss)]) if rss else float("nan"),
+        trained_model=str(trained_model),
+    )
+
+
+def write_summary(out: Path, result: TrainResult) -> Path:
+    """Write ``summary.json`` (the fields of ``result``), atomically."""
+    return files.write_json_atomic(out / SUMMARY_FILE, asdict(result))
+
+
+def format_summary(result: TrainResult) -> str:
+    """One screen of text summarising ``result`` for the CLI."""
+    lines = [
+        f"strategy            {result.strategy}  ({result.epochs} epochs)",
+        f"val accuracy        {100 * result.final_val_acc:.2f} %   "
+        f"(exported model: {100 * result.inference_val_acc:.2f} %)",
+        f"val loss            {result.final_val_loss:.4f}",
+        f"wall time           {result.wall_time_s:.1f} s  (training, validation excluded)",
+        f"full training (pred){result.predicted_full_time_s:>8.1f} s  "
+        f"-> speedup {result.speedup:.2f}x",
+        f"rho                 requested {result.rho_requested:.2f}  predicted "
+        f"{result.rho_predicted:.2f}  achieved {result.rho_achieved:.2f}",
+        f"selection           first {result.first_selection_s:.2f} s, re-selections "
+        f"{result.reselection_overhead_pct:.2f} % of their periods' wall time",
+        f"peak RSS            first period {result.peak_rss_mb_first_period:.0f} MiB, last "
+        f"{result.peak_rss_mb_last_period:.0f} MiB",
+        f"trained model       {result.trained_model}",
+    ]
+    return "\n".join(lines)
