@@ -37,10 +37,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from etgraph import measure, profile, profiler, selection  # noqa: E402
+from etgraph import measure, profile, profiler, rundir, selection  # noqa: E402
 from etgraph.artifacts import ArtifactCache  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
 from etgraph.importance import ImportanceEvaluator  # noqa: E402
+from etgraph.loop import TrainConfig, train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -156,13 +157,11 @@ QUALITY_STRATEGIES = ("full", "elastic", "last-layer", "bn-bias", "topk", "prefi
 def quality(
     model: Path, data, epochs: int, rho: float, period: int, batch_size: int, seed: int, strategies
 ) -> list[dict]:
-    from etgraph.runtime import TrainConfig, train
-
-    model = Path(model)
-    shape = model_spec.input_shape(onnx_io.load_model(model))
-    results = RESULTS / f"quality_{model.stem}"
+    model = LoadedModel.load(model)
+    shape = model.input_shape()
+    results = RESULTS / f"quality_{model.source.stem}"
     prof = profiler.profile_model(
-        model, batch_size=batch_size, input_shape=shape, cache_dir=profiler.default_cache_dir()
+        model, batch_size=batch_size, input_shape=shape, cache_dir=profile.default_cache_dir()
     )
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +179,7 @@ def quality(
             result = train(
                 model, prof, config, out, artifacts_root=Path(tmp) / "cache", progress=False
             )
-            log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+            log = rundir.read_log(out)
             runs.append(dict(strategy=strategy, result=result.__dict__, log=log))
             print(
                 f"{strategy}: val acc {result.final_val_acc:.4f} in {result.wall_time_s:.1f} s",
@@ -230,7 +229,7 @@ def quality(
         f"profiling {prof.profiling_s:.1f} s = {100 * prof.profiling_s / full_s:.1f}% of full "
         f"training's {full_s:.1f} s; elastic DP solves {dp_s * 1e3:.1f} ms in all"
     )
-    _plot(runs, results.with_suffix(".png"), f"{model.stem}, rho={rho}, period={period}")
+    _plot(runs, results.with_suffix(".png"), f"{model.source.stem}, rho={rho}, period={period}")
     results.with_suffix(".json").write_text(json.dumps(runs, indent=2, default=str))
     return runs
 

@@ -83,7 +83,7 @@ def dp_masks(prof: Profile, importance: np.ndarray) -> list[tuple[float, np.ndar
                 budget,
                 resolution=2000,
                 forward_us=prof.forward_us,
-                full_step_us=prof.measured_full_step_us,
+                t_full_us=prof.measured_full_step_us,
             )
         except InfeasibleBudgetError:
             log.info("rho %.1f infeasible", rho)

@@ -366,7 +366,8 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads):
     from .data import DEFAULT_MODEL_PATH
     from .errors import ModelError, ProfileMismatchError
     from .model import LoadedModel, parse_input_shape
-    from .profiler import Profile, default_cache_dir, profile_model
+    from .profile import Profile, default_cache_dir
+    from .profiler import profile_model
 
     source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
     if source.is_dir():
@@ -386,12 +387,13 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads):
                 "--input-shape or drop --profile"
             )
         return LoadedModel.load(source), profile
+    loaded = LoadedModel.load(source)
     click.echo(f"profiling {source.name} on this device (cached) ...", err=True)
     profile = profile_model(
-        source,
+        loaded,
         batch_size=batch_size,
         input_shape=parse_input_shape(input_shape) if input_shape else None,
         threads=threads,
         cache_dir=default_cache_dir(),
     )
-    return LoadedModel.load(source), profile
+    return loaded, profile

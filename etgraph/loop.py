@@ -64,7 +64,7 @@ from .host import peak_rss_mb, release_native_memory, reset_peak_rss
 from .importance import ImportanceEvaluator
 from .model import LoadedModel
 from .plots import plot_run
-from .profiler import Profile
+from .profile import Profile
 from .rundir import (
     ARTIFACTS_DIR,
     CHECKPOINT_FILE,

@@ -345,7 +345,7 @@ def summarize(
     later = [r for r in records if r["period"] > 0]
     later_wall = sum(r["wall_time_s"] for r in later)
     first_selection = sum(r["reselection_s"] for r in records if r["period"] == 0)
-    predicted_full = profile.full_step_us * 1e-6 * steps
+    predicted_full = profile.measured_full_step_us * 1e-6 * steps
     weights = np.array([r["steps"] for r in records], dtype=np.float64)
     measured = np.array([r["measured_step_us"] for r in records], dtype=np.float64)
     predicted = np.array([r["predicted_step_us"] for r in records], dtype=np.float64)
@@ -366,7 +366,9 @@ def summarize(
         speedup=float(predicted_full / wall) if wall > 0 else float("nan"),
         rho_requested=rho,
         rho_predicted=float(np.average(predicted, weights=weights) / profile.t_full_us),
-        rho_achieved=float(np.average(measured[ok], weights=weights[ok]) / profile.full_step_us)
+        rho_achieved=float(
+            np.average(measured[ok], weights=weights[ok]) / profile.measured_full_step_us
+        )
         if ok.any()
         else float("nan"),
         first_selection_s=float(first_selection),

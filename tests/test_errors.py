@@ -425,7 +425,7 @@ def test_resume_with_corrupt_checkpoint(cli, finished_run, tmp_path, corrupt):
 def test_resume_with_checkpoint_of_wrong_shapes(cli, finished_run, tmp_path, change):
     """A well-formed checkpoint whose tensors do not fit the model (ORT would raise inside
     Module creation or the first step)."""
-    from etgraph.runtime import read_checkpoint, write_checkpoint
+    from etgraph.checkpoint import read_checkpoint, write_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

@@ -105,7 +105,7 @@ else:
 
 from etgraph.loop import TrainConfig, train
 from etgraph.model import LoadedModel
-from etgraph.profiler import Profile
+from etgraph.profile import Profile
 
 train(
     LoadedModel.load(model), Profile.load(profile), TrainConfig(**json.loads(config)), out,
@@ -120,7 +120,7 @@ def synthetic_profile(tmp_path_factory, default_model_path):
     forward, 1 thread): no measurement noise, so the selections are reproducible."""
     import onnxruntime
 
-    from etgraph.profiler import Profile
+    from etgraph.profile import Profile
 
     model = LoadedModel.load(default_model_path)
     n = len(model.tensors)
@@ -131,7 +131,7 @@ def synthetic_profile(tmp_path_factory, default_model_path):
         t_dw_us=np.full(n, 100.0),
         t_dy_us=np.zeros(n),
         forward_us=1000.0,
-        full_step_us=1000.0 + 100.0 * n,
+        measured_full_step_us=1000.0 + 100.0 * n,
         batch_size=4,
         input_shape=model.input_shape(),
         threads=1,

@@ -272,7 +272,7 @@ def test_summary_of_records(tmp_path):
         )
 
     records = [record(1, 0), record(2, 0), record(3, 1)]
-    profile = SimpleNamespace(full_step_us=200_000.0, t_full_us=160_000.0)
+    profile = SimpleNamespace(measured_full_step_us=200_000.0, t_full_us=160_000.0)
     result = rundir.summarize(
         tmp_path,
         records,
