@@ -527,7 +527,7 @@ def train(
     Args:
         model: the loaded forward classifier (one input ``[B, C, H, W]``, output logits
             ``[B, K]``); ``model.source`` must stay loadable, :func:`resume` reloads it.
-        profile: :class:`etgraph.profiler.Profile` of this model at ``config.batch_size``.
+        profile: :class:`etgraph.profile.Profile` of this model at ``config.batch_size``.
         config: the run's settings.
         out_dir: run directory (created). Must not hold another run's checkpoint (use
             :func:`resume` to continue one).

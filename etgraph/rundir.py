@@ -123,11 +123,11 @@ class TrainResult:
     final_val_loss: float
     inference_val_acc: float  # of the exported model in a plain InferenceSession
     wall_time_s: float
-    predicted_full_time_s: float  # full_step_us * steps (what full training would take)
+    predicted_full_time_s: float  # measured_full_step_us * steps (what full training would take)
     speedup: float  # predicted_full_time_s / wall_time_s
     rho_requested: float
     rho_predicted: float  # mean predicted step / t_full_us (both from the time model)
-    rho_achieved: float  # mean measured step / full_step_us
+    rho_achieved: float  # mean measured step / measured_full_step_us (profile)
     first_selection_s: float  # period 0: importance + DP + the first session (full pays one too)
     reselection_overhead_pct: float  # re-selections of periods >= 1, % of those periods' wall time
     peak_rss_mb_first_period: float
@@ -335,8 +335,8 @@ def summarize(
         out: run directory (reported as given).
         records: all epoch records (:class:`EpochRecord` dicts), in order.
         strategy, rho: the run's strategy and requested rho.
-        profile: the run's :class:`etgraph.profiler.Profile` (``full_step_us``: the measured
-            full step; ``t_full_us``: the time model's).
+        profile: the run's :class:`etgraph.profile.Profile` (``measured_full_step_us``: the
+            measured full step; ``t_full_us``: the time model's).
         inference_acc: validation accuracy of the exported model, in [0, 1].
         trained_model: path of the exported model.
     """
