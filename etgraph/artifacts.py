@@ -8,7 +8,7 @@ only on the model's structure and the selection, and :class:`ArtifactCache` keys
 Facts relied on (``shared/ORT_NOTES.md``): ``requires_grad`` tensors get gradients,
 ``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model of 1.19.2
 keeps BatchNormalization's three outputs with ``training_mode=0`` (it then fails to load), so
-``output[1:]`` of those nodes is trimmed here.
+the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation.
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 
+from passes.base import run_passes
+from passes.onnx import eval_model_pipeline
+
+from . import files
 from .errors import ConfigError, ModelError
-from .sessions import session_options  # noqa: F401  (transitional re-export)
 
 log = logging.getLogger(__name__)
 
@@ -81,44 +82,12 @@ def _captured_native_stderr(captured: list[str]):
             captured.append(sink.read().decode(errors="replace"))
 
 
-def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """Return a copy of ``model`` whose initializers named in ``weights`` hold the given values.
-
-    Args:
-        model: the forward ONNX model.
-        weights: tensor name -> array; each array must keep the initializer's shape (dtype is
-            cast to the initializer's dtype).
-
-    Raises:
-        ModelError: a name is not an initializer of the model, or a shape differs.
-    """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    by_name = {init.name: init for init in out.graph.initializer}
-    for name, value in weights.items():
-        init = by_name.get(name)
-        if init is None:
-            raise ModelError(f"weight {name!r} is not an initializer of the model")
-        old = numpy_helper.to_array(init)
-        value = np.asarray(value)
-        if tuple(value.shape) != tuple(old.shape):
-            raise ModelError(
-                f"weight {name!r} has shape {tuple(value.shape)}, the model expects {old.shape}"
-            )
-        init.CopyFrom(numpy_helper.from_array(value.astype(old.dtype, copy=False), name))
-    return out
-
-
-def _trim_eval_batchnorm(eval_path: Path) -> None:
-    """Keep only output 0 of BatchNormalization nodes in the eval model (ORT 1.19.2 bug)."""
-    model = onnx.load(str(eval_path))
-    changed = False
-    for node in model.graph.node:
-        if node.op_type == "BatchNormalization" and len(node.output) > 1:
-            del node.output[1:]
-            changed = True
-    if changed:
-        onnx.save(model, str(eval_path))
+def _fix_eval_model(path: Path) -> None:
+    """Run :func:`passes.onnx.eval_model_pipeline` on the eval model file (rewritten if the
+    pipeline changed it)."""
+    model = ir.load(path)
+    if run_passes(eval_model_pipeline(), model).modified:
+        ir.save(model, path)
 
 
 def generate(
@@ -132,8 +101,9 @@ def generate(
 ) -> ArtifactPaths:
     """Generate ORT training artifacts for one selection, atomically.
 
-    The files are written to a temporary sibling directory and renamed onto ``out_dir``, so a
-    crash leaves either the old directory or the complete new one, never a partial one.
+    The files are written to a temporary sibling directory and renamed onto ``out_dir``
+    (:func:`etgraph.files.atomic_directory`), so a crash leaves either the old directory or the
+    complete new one, never a partial one.
 
     Args:
         model: forward ONNX model (legalised for training) whose initializers hold the weights
@@ -166,10 +136,8 @@ def generate(
     from onnxruntime.training import onnxblock
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        native_log: list[str] = []
+    native_log: list[str] = []
+    with files.atomic_directory(out_dir) as tmp:
         try:
             with _captured_native_stderr(native_log):
                 ort_artifacts.generate_artifacts(
@@ -188,17 +156,7 @@ def generate(
             raise ModelError(
                 f"onnxruntime-training could not build the training graph: {first}"
             ) from exc
-        _trim_eval_batchnorm(tmp / "eval_model.onnx")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _fix_eval_model(tmp / "eval_model.onnx")
     log.debug("artifacts for %d trainable tensors in %s", len(requires_grad), out_dir)
     return ArtifactPaths(out_dir)
 
@@ -248,9 +206,4 @@ class ArtifactCache:
     def remove_temporaries(self) -> None:
         """Delete the temporary directories (``.<key>.<random>``) :func:`generate` leaves when
         its process is killed mid-generation. Only for a root no other process is writing to."""
-        if not self.root.is_dir():
-            return
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("."):
-                log.info("removing %s, left by an interrupted generation", p)
-                shutil.rmtree(p, ignore_errors=True)
+        files.remove_temporaries(self.root)
