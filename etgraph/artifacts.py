@@ -1,12 +1,12 @@
-"""Emit onnxruntime-training artifacts for a selection of trainable tensors (DESIGN: Artifacts).
+"""Emit onnxruntime-training artifacts for a selection of trainable tensors (README: Training).
 
 The artifacts are the four files ``onnxruntime.training.api`` loads: ``training_model.onnx``,
 ``eval_model.onnx``, ``optimizer_model.onnx`` and ``checkpoint``. The three graphs do not hold
 weights (parameters are graph inputs); the weights live in ``checkpoint``. So artifacts depend
 only on the model's structure and the selection, and :class:`ArtifactCache` keys them by both.
 
-Facts relied on (``shared/ORT_NOTES.md``): ``requires_grad`` tensors get gradients,
-``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model of 1.19.2
+Facts relied on (observed with onnxruntime-training 1.19.2): ``requires_grad`` tensors get
+gradients, ``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model
 keeps BatchNormalization's three outputs with ``training_mode=0`` (it then fails to load), so
 the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation.
 """
@@ -96,7 +96,6 @@ def generate(
     frozen_params: Sequence[str],
     out_dir: str | os.PathLike,
     *,
-    learning_rate: float = 1e-4,
     weight_decay: float = 0.01,
 ) -> ArtifactPaths:
     """Generate ORT training artifacts for one selection, atomically.
@@ -112,8 +111,6 @@ def generate(
         frozen_params: initializer names to keep in the checkpoint without training (unselected
             tensors and BatchNorm running statistics), so weights can be carried over.
         out_dir: destination directory (replaced if it exists).
-        learning_rate: initial AdamW learning rate stored in the optimizer (the runtime sets it
-            per step).
         weight_decay: AdamW decoupled weight decay.
 
     Returns:

@@ -1,5 +1,5 @@
-"""Read and validate ONNX models, and legalise them for onnxruntime-training 1.19.2 (DESIGN:
-import).
+"""Read and validate ONNX models, and legalise them for onnxruntime-training 1.19.2 (README:
+"Your own model").
 
 :func:`load_model` is the one entry point for user models: it reads the file, checks it with
 ``onnx.checker`` and runs the legalisation pipeline (:func:`passes.onnx.legalization_pipeline`,

@@ -1,5 +1,5 @@
 """ONNX-level legalisation: passes over an ``onnx_ir.Model`` that make a user's model trainable
-by onnxruntime-training 1.19.2 (DESIGN: import).
+by onnxruntime-training 1.19.2 (README: "Your own model").
 
 :func:`legalization_pipeline` lists them in order (print it with :func:`describe_pipeline`):
 

@@ -1,4 +1,4 @@
-"""Fix-up of the eval model ``generate_artifacts`` writes (ORT 1.19.2 bug, ORT_NOTES).
+"""Fix-up of the eval model ``generate_artifacts`` writes (an onnxruntime-training 1.19.2 bug).
 
 ORT 1.19.2's eval model keeps BatchNormalization's three training outputs while setting
 ``training_mode=0``; it then fails to load ("This number of op outputs should be 1 when
