@@ -31,6 +31,7 @@ from passes.onnx import eval_model_pipeline
 
 from . import files
 from .errors import ConfigError, ModelError
+from .onnx_io import model_hash
 
 log = logging.getLogger(__name__)
 
@@ -159,18 +160,13 @@ def generate(
 
 
 def selection_key(model: onnx.ModelProto, requires_grad: Sequence[str]) -> str:
-    """A short stable key for (model structure, selection): sha256 over graph and names.
+    """A short stable key for (model structure, selection): sha256 over
+    :func:`etgraph.onnx_io.model_hash` and the sorted names (16 hex digits).
 
     Initializer values are excluded (the graphs hold no weights), so the key survives training.
     """
-    graph = onnx.GraphProto()
-    graph.CopyFrom(model.graph)
-    for init in graph.initializer:
-        init.ClearField("raw_data")
-        for field in ("float_data", "int32_data", "int64_data", "double_data"):
-            init.ClearField(field)
-    h = hashlib.sha256(graph.SerializeToString())
-    h.update("\0".join(sorted(requires_grad)).encode())
+    h = hashlib.sha256(model_hash(model).encode())
+    h.update("\0".join(["", *sorted(requires_grad)]).encode())
     return h.hexdigest()[:16]
 
 

@@ -103,9 +103,12 @@ def _first_line(exc: BaseException) -> str:
 def model_hash(model: onnx.ModelProto) -> str:
     """A 16-hex-digit sha256 of the model's *structure*: nodes, attributes, opsets, input/output
     types and initializer names/dtypes/shapes — not initializer values, so the hash of a model
-    survives training (profiles and artifacts depend only on structure)."""
+    survives training (profiles and artifacts depend only on structure), and not ``value_info``
+    (optional shape annotations; onnx_ir writes them for initializers, so a model legalised
+    before the legalisation moved to onnx_ir keeps its hash, and its profiles stay valid)."""
     graph = onnx.GraphProto()
     graph.CopyFrom(model.graph)
+    graph.ClearField("value_info")
     for init in graph.initializer:
         for fld in (
             "raw_data",

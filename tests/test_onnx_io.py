@@ -260,6 +260,8 @@ def test_model_hash_ignores_weights_not_structure():
     assert model_hash(a) == model_hash(b)
     assert model_hash(a) != model_hash(c)
     assert len(model_hash(a)) == 16
+    b.graph.value_info.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 6, 8, 8]))
+    assert model_hash(b) == model_hash(a)  # shape annotations are not structure
 
 
 # ---- each legalisation pass alone, on a tiny onnx_ir model ----------------------------------
@@ -566,6 +568,8 @@ def test_legalisation_is_idempotent_and_ort_loads_it(fixture, request, tmp_path)
     assert all(o.version <= MAX_OPSET for o in legal.opset_import if o.domain in ("", "ai.onnx"))
     names = [n.name for n in legal.graph.node]
     assert all(names) and len(set(names)) == len(names)
+    # an export that is legal already keeps its hash: profiles measured before stay valid
+    assert model_hash(legal) == model_hash(onnx.load(str(path)))
     x = sample((2, 3, 32, 32))
     got = ort_run(legal, x)
     if "Dropout" not in {n.op_type for n in legal.graph.node}:  # else random in training mode
