@@ -31,7 +31,7 @@ from passes.onnx import eval_model_pipeline
 
 from . import files
 from .errors import ConfigError, ModelError
-from .onnx_io import model_hash
+from .onnx_io import model_structure
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +161,12 @@ def generate(
 
 def selection_key(model: onnx.ModelProto, requires_grad: Sequence[str]) -> str:
     """A short stable key for (model structure, selection): sha256 over
-    :func:`etgraph.onnx_io.model_hash` and the sorted names (16 hex digits).
+    :func:`etgraph.onnx_io.model_structure` and the sorted names (16 hex digits).
 
     Initializer values are excluded (the graphs hold no weights), so the key survives training.
     """
-    h = hashlib.sha256(model_hash(model).encode())
-    h.update("\0".join(["", *sorted(requires_grad)]).encode())
+    h = hashlib.sha256(model_structure(model).SerializeToString(deterministic=True))
+    h.update("\0".join(sorted(requires_grad)).encode())
     return h.hexdigest()[:16]
 
 

@@ -33,7 +33,7 @@ from passes.onnx import INPUT_NAME, MAX_IR_VERSION, OUTPUT_NAME, legalization_pi
 
 from .errors import ModelError
 
-__all__ = ["legalize", "load_model", "model_hash"]
+__all__ = ["legalize", "load_model", "model_hash", "model_structure"]
 
 # TRANSITIONAL (issue #13 merge): etgraph/graph.py still imports INPUT_NAME/OUTPUT_NAME from here;
 # they live in passes.onnx (the pass that fixes them). Remove once graph.py imports them there.
@@ -100,12 +100,14 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def model_hash(model: onnx.ModelProto) -> str:
-    """A 16-hex-digit sha256 of the model's *structure*: nodes, attributes, opsets, input/output
-    types and initializer names/dtypes/shapes — not initializer values, so the hash of a model
-    survives training (profiles and artifacts depend only on structure), and not ``value_info``
-    (optional shape annotations; onnx_ir writes them for initializers, so a model legalised
-    before the legalisation moved to onnx_ir keeps its hash, and its profiles stay valid)."""
+def model_structure(model: onnx.ModelProto) -> onnx.GraphProto:
+    """A copy of ``model``'s graph without initializer values and without ``value_info``: what
+    profiles and artifacts depend on.
+
+    ``value_info`` holds optional shape annotations; onnx_ir writes them for initializers, so
+    leaving them out keeps the hash a model had before legalisation moved to onnx_ir (and its
+    profiles valid).
+    """
     graph = onnx.GraphProto()
     graph.CopyFrom(model.graph)
     graph.ClearField("value_info")
@@ -120,7 +122,15 @@ def model_hash(model: onnx.ModelProto) -> str:
             "external_data",
         ):
             init.ClearField(fld)
-    h = hashlib.sha256(graph.SerializeToString(deterministic=True))
+    return graph
+
+
+def model_hash(model: onnx.ModelProto) -> str:
+    """A 16-hex-digit sha256 of the model's *structure* (:func:`model_structure`: nodes,
+    attributes, input/output types, initializer names/dtypes/shapes) and opsets — not
+    initializer values, so the hash of a model survives training (profiles and artifacts
+    depend only on structure)."""
+    h = hashlib.sha256(model_structure(model).SerializeToString(deterministic=True))
     for imp in sorted(model.opset_import, key=lambda i: i.domain):
         h.update(f"{imp.domain}:{imp.version};".encode())
     return h.hexdigest()[:16]
