@@ -29,15 +29,20 @@ import onnx
 import onnx_ir as ir
 
 from passes.base import run_passes
-from passes.onnx import INPUT_NAME, MAX_IR_VERSION, OUTPUT_NAME, legalization_pipeline
+from passes.onnx import (
+    INPUT_NAME,  # noqa: F401  (transitional re-export, see below)
+    MAX_IR_VERSION,
+    OUTPUT_NAME,  # noqa: F401  (transitional re-export, see below)
+    legalization_pipeline,
+)
 
 from .errors import ModelError
 
 __all__ = ["legalize", "load_model", "model_hash", "model_structure"]
 
-# TRANSITIONAL (issue #13 merge): etgraph/graph.py still imports INPUT_NAME/OUTPUT_NAME from here;
-# they live in passes.onnx (the pass that fixes them). Remove once graph.py imports them there.
-_TRANSITIONAL_REEXPORTS = (INPUT_NAME, OUTPUT_NAME)
+# TRANSITIONAL (issue #13 merge): etgraph/graph.py imports INPUT_NAME/OUTPUT_NAME from here; they
+# live in passes.onnx, with the pass that fixes them. Drop them here once graph.py imports them
+# from passes.onnx.
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
