@@ -78,12 +78,13 @@ def eval_model_pipeline() -> PassManager:
 
 
 def describe_pipeline(pipeline: PassManager | None = None) -> list[tuple[str, str]]:
-    """``(pass name, first line of its docstring)`` for each pass of ``pipeline`` in order
-    (default: :func:`legalization_pipeline`), for ``etgraph inspect --passes``."""
+    """``(pass name, one-line summary)`` for each pass of ``pipeline`` in order (default:
+    :func:`legalization_pipeline`), for ``etgraph inspect --passes``. The summary is the first
+    paragraph of the pass's docstring on one line."""
     pipeline = legalization_pipeline() if pipeline is None else pipeline
     return [(type(p).__name__, _summary(p)) for p in pipeline.passes]
 
 
 def _summary(pass_: PassBase) -> str:
     doc = (type(pass_).__doc__ or "").strip()
-    return " ".join(doc.split("\n\n")[0].split())
+    return " ".join(doc.split("\n\n")[0].split()).replace("``", "`")  # reST literals -> plain
