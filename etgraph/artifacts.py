@@ -1,14 +1,14 @@
-"""Emit onnxruntime-training artifacts for a selection of trainable tensors (DESIGN: Artifacts).
+"""Emit onnxruntime-training artifacts for a selection of trainable tensors (README: Training).
 
 The artifacts are the four files ``onnxruntime.training.api`` loads: ``training_model.onnx``,
 ``eval_model.onnx``, ``optimizer_model.onnx`` and ``checkpoint``. The three graphs do not hold
 weights (parameters are graph inputs); the weights live in ``checkpoint``. So artifacts depend
 only on the model's structure and the selection, and :class:`ArtifactCache` keys them by both.
 
-Facts relied on (``shared/ORT_NOTES.md``): ``requires_grad`` tensors get gradients,
-``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model of 1.19.2
+Facts relied on (observed with onnxruntime-training 1.19.2): ``requires_grad`` tensors get
+gradients, ``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model
 keeps BatchNormalization's three outputs with ``training_mode=0`` (it then fails to load), so
-``output[1:]`` of those nodes is trimmed here.
+the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation.
 """
 
 from __future__ import annotations
@@ -17,19 +17,21 @@ import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 
+from passes.base import run_passes
+from passes.onnx import eval_model_pipeline
+
+from . import files
 from .errors import ConfigError, ModelError
-from .sessions import session_options  # noqa: F401  (transitional re-export)
+from .onnx_io import model_structure
 
 log = logging.getLogger(__name__)
 
@@ -81,44 +83,12 @@ def _captured_native_stderr(captured: list[str]):
             captured.append(sink.read().decode(errors="replace"))
 
 
-def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """Return a copy of ``model`` whose initializers named in ``weights`` hold the given values.
-
-    Args:
-        model: the forward ONNX model.
-        weights: tensor name -> array; each array must keep the initializer's shape (dtype is
-            cast to the initializer's dtype).
-
-    Raises:
-        ModelError: a name is not an initializer of the model, or a shape differs.
-    """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    by_name = {init.name: init for init in out.graph.initializer}
-    for name, value in weights.items():
-        init = by_name.get(name)
-        if init is None:
-            raise ModelError(f"weight {name!r} is not an initializer of the model")
-        old = numpy_helper.to_array(init)
-        value = np.asarray(value)
-        if tuple(value.shape) != tuple(old.shape):
-            raise ModelError(
-                f"weight {name!r} has shape {tuple(value.shape)}, the model expects {old.shape}"
-            )
-        init.CopyFrom(numpy_helper.from_array(value.astype(old.dtype, copy=False), name))
-    return out
-
-
-def _trim_eval_batchnorm(eval_path: Path) -> None:
-    """Keep only output 0 of BatchNormalization nodes in the eval model (ORT 1.19.2 bug)."""
-    model = onnx.load(str(eval_path))
-    changed = False
-    for node in model.graph.node:
-        if node.op_type == "BatchNormalization" and len(node.output) > 1:
-            del node.output[1:]
-            changed = True
-    if changed:
-        onnx.save(model, str(eval_path))
+def _fix_eval_model(path: Path) -> None:
+    """Run :func:`passes.onnx.eval_model_pipeline` on the eval model file (rewritten if the
+    pipeline changed it)."""
+    model = ir.load(path)
+    if run_passes(eval_model_pipeline(), model).modified:
+        ir.save(model, path)
 
 
 def generate(
@@ -127,13 +97,13 @@ def generate(
     frozen_params: Sequence[str],
     out_dir: str | os.PathLike,
     *,
-    learning_rate: float = 1e-4,
     weight_decay: float = 0.01,
 ) -> ArtifactPaths:
     """Generate ORT training artifacts for one selection, atomically.
 
-    The files are written to a temporary sibling directory and renamed onto ``out_dir``, so a
-    crash leaves either the old directory or the complete new one, never a partial one.
+    The files are written to a temporary sibling directory and renamed onto ``out_dir``
+    (:func:`etgraph.files.atomic_directory`), so a crash leaves either the old directory or the
+    complete new one, never a partial one.
 
     Args:
         model: forward ONNX model (legalised for training) whose initializers hold the weights
@@ -142,8 +112,6 @@ def generate(
         frozen_params: initializer names to keep in the checkpoint without training (unselected
             tensors and BatchNorm running statistics), so weights can be carried over.
         out_dir: destination directory (replaced if it exists).
-        learning_rate: initial AdamW learning rate stored in the optimizer (the runtime sets it
-            per step).
         weight_decay: AdamW decoupled weight decay.
 
     Returns:
@@ -166,10 +134,8 @@ def generate(
     from onnxruntime.training import onnxblock
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        native_log: list[str] = []
+    native_log: list[str] = []
+    with files.atomic_directory(out_dir) as tmp:
         try:
             with _captured_native_stderr(native_log):
                 ort_artifacts.generate_artifacts(
@@ -188,33 +154,18 @@ def generate(
             raise ModelError(
                 f"onnxruntime-training could not build the training graph: {first}"
             ) from exc
-        _trim_eval_batchnorm(tmp / "eval_model.onnx")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _fix_eval_model(tmp / "eval_model.onnx")
     log.debug("artifacts for %d trainable tensors in %s", len(requires_grad), out_dir)
     return ArtifactPaths(out_dir)
 
 
 def selection_key(model: onnx.ModelProto, requires_grad: Sequence[str]) -> str:
-    """A short stable key for (model structure, selection): sha256 over graph and names.
+    """A short stable key for (model structure, selection): sha256 over
+    :func:`etgraph.onnx_io.model_structure` and the sorted names (16 hex digits).
 
     Initializer values are excluded (the graphs hold no weights), so the key survives training.
     """
-    graph = onnx.GraphProto()
-    graph.CopyFrom(model.graph)
-    for init in graph.initializer:
-        init.ClearField("raw_data")
-        for field in ("float_data", "int32_data", "int64_data", "double_data"):
-            init.ClearField(field)
-    h = hashlib.sha256(graph.SerializeToString())
+    h = hashlib.sha256(model_structure(model).SerializeToString(deterministic=True))
     h.update("\0".join(sorted(requires_grad)).encode())
     return h.hexdigest()[:16]
 
@@ -248,9 +199,4 @@ class ArtifactCache:
     def remove_temporaries(self) -> None:
         """Delete the temporary directories (``.<key>.<random>``) :func:`generate` leaves when
         its process is killed mid-generation. Only for a root no other process is writing to."""
-        if not self.root.is_dir():
-            return
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("."):
-                log.info("removing %s, left by an interrupted generation", p)
-                shutil.rmtree(p, ignore_errors=True)
+        files.remove_temporaries(self.root)

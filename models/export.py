@@ -1,6 +1,6 @@
 """Export zoo models (or any torch module) to ONNX ready for onnxruntime-training.
 
-Export settings (``shared/ORT_NOTES.md``): TorchScript exporter (``dynamo=False``),
+Export settings (README: "Your own model"): TorchScript exporter (``dynamo=False``),
 ``training=TrainingMode.TRAINING`` (in EVAL mode BatchNorm is folded into Conv and trainable
 tensors disappear), ``do_constant_folding=False``, opset 17, one input ``input``
 (``float32 [B, C, H, W]``, dynamic batch axis) and one output ``logits`` (``float32 [B, K]``).

@@ -431,6 +431,7 @@ def test_unmutated_bases_compile(worker, tmp_path):
         assert reply["status"] == "ok", reply
 
 
+@pytest.mark.slow  # every FULL_COMPILE_EVERY-th example profiles and compiles end to end
 @settings(
     max_examples=MAX_EXAMPLES,
     derandomize=True,

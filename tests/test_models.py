@@ -115,9 +115,9 @@ def test_build_is_deterministic_and_seeded():
 def test_build_rejects_unknown_name_and_bad_sizes():
     with pytest.raises(KeyError, match="resnet50"):
         zoo.build("resnet51", 10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="vgg16 needs an input size divisible by 32, got 100"):
         zoo.build("vgg16", 10, input_size=100)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="opset 18 > 17 is not supported"):
         export_onnx("tiny_cnn", "unused.onnx", opset=18)
 
 
@@ -147,6 +147,7 @@ def test_legalize_adds_optional_outputs():
     assert legalize_for_training(model) == 0
 
 
+@pytest.mark.slow
 def test_export_cli(tmp_path):
     out = tmp_path / "m.onnx"
     cmd = [sys.executable, "-m", "models.export", "tiny_cnn", "-o", str(out)]

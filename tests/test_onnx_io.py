@@ -1,16 +1,41 @@
-"""Import, validation and legalisation of ONNX models (etgraph.onnx_io)."""
+"""Import, validation and legalisation of ONNX models (etgraph.onnx_io, passes.onnx).
+
+The first part loads files through :func:`etgraph.onnx_io.load_model` (the whole pipeline, as
+the CLI does); the second runs each legalisation pass alone on a tiny ``onnx_ir`` model; the
+last checks that what onnx_ir writes loads in ORT 1.19.2 and that legalisation is idempotent.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx_ir.passes import PostconditionError, PreconditionError
 
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.model import LoadedModel, input_shape, parse_input_shape
-from etgraph.onnx_io import load_model, model_hash
+from etgraph.onnx_io import legalize, load_model, model_hash
+from passes.base import run_passes
+from passes.onnx import (
+    MAX_IR_VERSION,
+    MAX_OPSET,
+    AddOptionalOutputsPass,
+    ConvertOpsetPass,
+    ExpandSumPass,
+    LowerIrVersionPass,
+    NameInputOutputPass,
+    NameNodesPass,
+    RefuseNoGradOpsPass,
+    RewriteHardActivationsPass,
+    TrimEvalBatchNormPass,
+    describe_pipeline,
+    eval_model_pipeline,
+    legalization_pipeline,
+)
+from passes.onnx.node_names import check_node_names
 
 
 def _init(name: str, shape, seed: int = 0) -> onnx.TensorProto:
@@ -218,7 +243,7 @@ def test_input_shape_static_symbolic_and_override():
 
 @pytest.mark.parametrize("text", ["3x224", "axbxc", "3x0x4", "", "3x2x2x2"])
 def test_parse_input_shape_malformed(text):
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="use CxHxW"):
         parse_input_shape(text)
 
 
@@ -235,3 +260,317 @@ def test_model_hash_ignores_weights_not_structure():
     assert model_hash(a) == model_hash(b)
     assert model_hash(a) != model_hash(c)
     assert len(model_hash(a)) == 16
+    b.graph.value_info.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 6, 8, 8]))
+    assert model_hash(b) == model_hash(a)  # shape annotations are not structure
+
+
+# ---- each legalisation pass alone, on a tiny onnx_ir model ----------------------------------
+
+
+def run_pass(pass_, model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
+    """Run one pass on ``model`` (as an onnx_ir model); returns (the result as a proto,
+    modified)."""
+    result = pass_(ir.from_proto(model))
+    return ir.to_proto(result.model), result.modified
+
+
+def ort_run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def sample(shape=(1, 3, 8, 8), seed: int = 1) -> np.ndarray:
+    """A float32 batch spread over the kinks of the hard activations (-3, 0, 3)."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 3
+
+
+def nodes_by_name(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {n.name: n for n in model.graph.node}
+
+
+def relu_head():
+    return conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r")
+
+
+def test_convert_opset_pass_converts_above_21_only():
+    model = relu_head()
+    model.opset_import[0].version = 22
+    model.ir_version = 10
+    out, modified = run_pass(ConvertOpsetPass("m.onnx"), model)
+    assert modified and [(o.domain, o.version) for o in out.opset_import] == [("", MAX_OPSET)]
+    assert ort_run(out, sample()).shape == (1, 4)  # ORT 1.19.2 loads the converted model
+    assert run_pass(ConvertOpsetPass("m.onnx"), out)[1] is False
+    assert run_pass(ConvertOpsetPass("m.onnx"), relu_head())[1] is False
+
+
+def test_convert_opset_pass_refuses_what_it_cannot_convert():
+    model = relu_head()
+    model.opset_import[0].version = 99
+    with pytest.raises(ModelError, match=r"^m.onnx: opset 99 is newer than .* re-export with"):
+        ConvertOpsetPass("m.onnx")(ir.from_proto(model))
+
+
+def test_lower_ir_version_pass():
+    model = relu_head()
+    model.ir_version = 11
+    out, modified = run_pass(LowerIrVersionPass(), model)
+    assert modified and out.ir_version == MAX_IR_VERSION
+    model.ir_version = 8
+    out, modified = run_pass(LowerIrVersionPass(), model)
+    assert not modified and out.ir_version == 8
+
+
+def test_name_input_output_pass_renames_every_use():
+    out, modified = run_pass(NameInputOutputPass(), relu_head())
+    assert modified
+    assert [i.name for i in out.graph.input] == ["input"]
+    assert [o.name for o in out.graph.output] == ["logits"]
+    names = nodes_by_name(out)
+    assert names["conv"].input[0] == "input" and names["fc"].output[0] == "logits"
+    assert run_pass(NameInputOutputPass(), out)[1] is False
+
+
+def test_name_input_output_pass_refuses_two_outputs_and_taken_names():
+    model = relu_head()
+    model.graph.output.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    with pytest.raises(ModelError, match=r"^m.onnx: expected exactly one graph output .* found 2"):
+        NameInputOutputPass("m.onnx")(ir.from_proto(model))
+    taken = conv_head([helper.make_node("Relu", ["c"], ["logits"], name="relu")], "logits")
+    with pytest.raises(ModelError, match="cannot rename 'y' to 'logits': the name is already used"):
+        NameInputOutputPass("m.onnx")(ir.from_proto(taken))
+
+
+def test_name_nodes_pass_names_unnamed_and_duplicate_nodes():
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"]),
+        helper.make_node("Relu", ["c"], ["r"], name="dup"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="dup"),
+        helper.make_node("Flatten", ["p"], ["y"]),
+    ]
+    model = make_model(nodes, [_init("w", (4, 3, 3, 3))])
+    out, modified = run_pass(NameNodesPass(), model)
+    assert modified and [n.name for n in out.graph.node] == ["Conv_0", "dup", "dup_1", "Flatten_3"]
+    assert run_pass(NameNodesPass(), out)[1] is False
+
+
+def test_node_names_postcondition_is_checked_by_code():
+    graph = ir.from_proto(conv_head([helper.make_node("Relu", ["c"], ["r"], name="conv")], "r"))
+    with pytest.raises(PostconditionError, match="1 duplicate name"):
+        check_node_names(graph.graph)
+    graph.graph.node(0).name = ""
+    with pytest.raises(PostconditionError, match="1 unnamed node"):
+        check_node_names(graph.graph)
+
+
+def test_left_out_optional_outputs_stay_left_out(tmp_path):
+    """An empty output name means "not computed" (MaxPool's Indices here): legalisation and
+    the rewrites (onnxscript's driver would name every unnamed value) leave it empty."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"]),
+        helper.make_node("MaxPool", ["c"], ["m", ""], kernel_shape=[2, 2]),
+        helper.make_node("HardSwish", ["m"], ["h"]),
+        helper.make_node("Sum", ["h", "h"], ["s"]),
+        helper.make_node("GlobalAveragePool", ["s"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["y"]),
+    ]
+    model = make_model(nodes, [_init("w", (4, 3, 3, 3))])
+    legal = load_model(save(model, tmp_path))
+    (maxpool,) = [list(n.output) for n in legal.graph.node if n.op_type == "MaxPool"]
+    assert maxpool in (["m"], ["m", ""])  # onnx_ir writes no trailing empty output names
+    x = sample()
+    np.testing.assert_allclose(ort_run(legal, x), ort_run(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_add_optional_outputs_pass():
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+        helper.make_node("Identity", ["f"], ["ln/mean"], name="taken"),
+        helper.make_node("LayerNormalization", ["ln/mean", "g", "be"], ["n"], name="ln"),
+        helper.make_node("LayerNormalization", ["n", "g", "be"], ["n2", "", ""], name="ln2"),
+        helper.make_node("Dropout", ["n2"], ["d"], name="drop"),
+        helper.make_node("Gemm", ["d", "fw"], ["y"], name="fc", transB=1),
+    ]
+    inits = [_init("w", (6, 3, 3, 3)), _init("g", (6,)), _init("be", (6,)), _init("fw", (4, 6))]
+    model = make_model(nodes, inits)
+    out, modified = run_pass(AddOptionalOutputsPass(), model)
+    names = nodes_by_name(out)
+    assert modified
+    assert list(names["ln"].output) == ["n", "ln/mean_1", "ln/inv_std_dev"]  # no name clash
+    assert list(names["ln2"].output) == ["n2", "ln2/mean", "ln2/inv_std_dev"]
+    assert list(names["drop"].output) == ["d", "drop/mask"]
+    onnx.checker.check_model(out)
+    assert run_pass(AddOptionalOutputsPass(), out)[1] is False
+    model.graph.node[0].name = ""
+    with pytest.raises(PreconditionError, match="nodes must be named first"):
+        AddOptionalOutputsPass()(ir.from_proto(model))
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [("HardSwish", {}), ("HardSigmoid", {}), ("HardSigmoid", {"alpha": 0.3, "beta": 0.4})],
+)
+@pytest.mark.parametrize("at_output", [False, True])
+def test_rewrite_hard_activations_pass_computes_the_same(op, attrs, at_output):
+    if at_output:  # the activation produces the graph output itself
+        fc = helper.make_node("Gemm", ["f", "fw", "fb"], ["z"], name="fc", transB=1)
+        nodes = [
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+            helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+            fc,
+            helper.make_node(op, ["z"], ["y"], name="hact", **attrs),
+        ]
+        inits = [_init("w", (6, 3, 3, 3)), _init("b", (6,)), _init("fw", (4, 6)), _init("fb", (4,))]
+        model = make_model(nodes, inits)
+    else:
+        model = conv_head([helper.make_node(op, ["c"], ["h"], name="hact", **attrs)], "h")
+    out, modified = run_pass(RewriteHardActivationsPass(), model)
+    assert modified and op not in {n.op_type for n in out.graph.node}
+    assert {n.name for n in out.graph.node if n.name.startswith("hact/")} >= {"hact/Clip"}
+    assert [i.name for i in out.graph.initializer] == [i.name for i in model.graph.initializer]
+    assert [o.name for o in out.graph.output] == ["y"]
+    onnx.checker.check_model(out)
+    x = sample()
+    np.testing.assert_allclose(ort_run(out, x), ort_run(model, x), rtol=1e-5, atol=1e-5)
+    assert run_pass(RewriteHardActivationsPass(), out)[1] is False
+
+
+@pytest.mark.parametrize("terms", [1, 2, 3])
+def test_expand_sum_pass_computes_the_same(terms):
+    nodes = [
+        helper.make_node("Relu", ["c"], ["r1"], name="r1"),
+        helper.make_node("Sigmoid", ["c"], ["r2"], name="r2"),
+        helper.make_node("Sum", ["c", "r1", "r2"][:terms], ["s"], name="sum"),
+    ]
+    model = conv_head(nodes, "s")
+    out, modified = run_pass(ExpandSumPass(), model)
+    ops = [n.op_type for n in out.graph.node]
+    assert modified and "Sum" not in ops
+    assert ops.count("Add") == terms - 1 and ops.count("Identity") == (terms == 1)
+    x = sample()
+    np.testing.assert_allclose(ort_run(out, x), ort_run(model, x), rtol=1e-5, atol=1e-5)
+    assert run_pass(ExpandSumPass(), out)[1] is False
+
+
+def test_refuse_no_grad_ops_pass_on_and_off_the_data_path():
+    softplus = helper.make_node("Softplus", ["c"], ["s"], name="sp")
+    with pytest.raises(
+        UnsupportedOpError,
+        match=r"^m.onnx: node 'sp' uses op Softplus, which has no gradient in "
+        r"onnxruntime-training 1.19.2; rewrite as log\(1 \+ exp\(x\)\) and re-export$",
+    ):
+        RefuseNoGradOpsPass("m.onnx")(ir.from_proto(conv_head([softplus], "s")))
+    # off the data path (a constant's branch), the same op is harmless
+    off_path = [
+        helper.make_node("Constant", [], ["k"], name="k", value=numpy_helper.from_array(
+            np.ones((1, 6, 1, 1), np.float32))),
+        helper.make_node("Softplus", ["k"], ["ks"], name="sp"),
+        helper.make_node("Add", ["c", "ks"], ["a"], name="add"),
+    ]  # fmt: skip
+    out, modified = run_pass(RefuseNoGradOpsPass("m.onnx"), conv_head(off_path, "a"))
+    assert not modified and "Softplus" in {n.op_type for n in out.graph.node}
+
+
+def test_refuse_no_grad_ops_pass_requires_sorted_nodes():
+    model = relu_head()
+    nodes = list(model.graph.node)[::-1]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    with pytest.raises(PreconditionError, match="precedes its input"):
+        RefuseNoGradOpsPass()(ir.from_proto(model))
+
+
+def batch_norm_model(outputs: list[str], graph_outputs: tuple[str, ...] = ()) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("BatchNormalization", ["c", "g", "b", "mu", "var"], outputs, name="bn"),
+        helper.make_node("GlobalAveragePool", ["n"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["y"], name="flat"),
+    ]
+    inits = [_init("w", (4, 3, 3, 3)), _init("g", (4,)), _init("b", (4,)), _init("mu", (4,))]
+    inits.append(numpy_helper.from_array(np.ones(4, np.float32), "var"))
+    model = make_model(nodes, inits)
+    for name in graph_outputs:
+        model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    return model
+
+
+def test_trim_eval_batchnorm_pass():
+    model = batch_norm_model(["n", "rm", "rv"])
+    out, modified = run_pass(TrimEvalBatchNormPass(), model)
+    assert modified and list(nodes_by_name(out)["bn"].output) == ["n"]
+    assert ort_run(out, sample()).shape == (1, 4)  # loads as the inference op it now is
+    assert run_pass(TrimEvalBatchNormPass(), out)[1] is False
+    used = batch_norm_model(["n", "rm", "rv"], graph_outputs=("rm",))
+    with pytest.raises(PreconditionError, match=r"uses BatchNormalization outputs \['rm'\]"):
+        TrimEvalBatchNormPass()(ir.from_proto(used))
+
+
+# ---- the pipeline ---------------------------------------------------------------------------
+
+
+def test_pipeline_order_can_be_printed():
+    described = describe_pipeline()
+    assert [name for name, _ in described] == [
+        "ConvertOpsetPass",
+        "LowerIrVersionPass",
+        "NameInputOutputPass",
+        "NameNodesPass",
+        "AddOptionalOutputsPass",
+        "RewriteHardActivationsPass",
+        "ExpandSumPass",
+        "RefuseNoGradOpsPass",
+    ]
+    assert all(doc and "\n" not in doc for _, doc in described)
+    assert [name for name, _ in describe_pipeline(eval_model_pipeline())] == [
+        "TrimEvalBatchNormPass"
+    ]
+
+
+def test_user_error_in_the_pipeline_reaches_the_caller_as_itself():
+    model = ir.from_proto(conv_head([helper.make_node("Atan", ["c"], ["a"], name="atan")], "a"))
+    with pytest.raises(UnsupportedOpError, match="^m.onnx: node 'atan' uses op Atan"):
+        run_passes(legalization_pipeline("m.onnx"), model)
+
+
+def test_legalize_leaves_its_argument_alone():
+    model = conv_head([helper.make_node("HardSwish", ["c"], ["h"])], "h")
+    before = model.SerializeToString()
+    legal = legalize(model, source="m")
+    assert model.SerializeToString() == before
+    assert legal.graph.input[0].name == "input"
+
+
+def test_opset_22_model_legalised_runs_in_ort(tmp_path):
+    model = conv_head([helper.make_node("HardSigmoid", ["c"], ["h"], name="hs")], "h")
+    model.opset_import[0].version = 22
+    model.ir_version = 10
+    legal = load_model(save(model, tmp_path))
+    assert legal.ir_version <= MAX_IR_VERSION and legal.opset_import[0].version == MAX_OPSET
+    assert ort_run(legal, sample()).shape == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "fixture", ["default_model_path", "tiny_cnn_onnx", "resnet18s_onnx", "tiny_vit_onnx"]
+)
+def test_legalisation_is_idempotent_and_ort_loads_it(fixture, request, tmp_path):
+    """``etgraph compile`` writes the legalised model.onnx that train/inspect load again; its
+    profile is matched by model_hash, so loading it again must give the same model."""
+    path = request.getfixturevalue(fixture)
+    legal = load_model(path)
+    again = load_model(save(legal, tmp_path, "legal.onnx"))
+    assert model_hash(again) == model_hash(legal)
+    assert again.SerializeToString() == legal.SerializeToString()
+    assert run_passes(legalization_pipeline(), ir.from_proto(legal)).modified is False
+    assert legal.ir_version <= MAX_IR_VERSION
+    assert all(o.version <= MAX_OPSET for o in legal.opset_import if o.domain in ("", "ai.onnx"))
+    names = [n.name for n in legal.graph.node]
+    assert all(names) and len(set(names)) == len(names)
+    # an export that is legal already keeps its hash: profiles measured before stay valid
+    assert model_hash(legal) == model_hash(onnx.load(str(path)))
+    x = sample((2, 3, 32, 32))
+    got = ort_run(legal, x)
+    if "Dropout" not in {n.op_type for n in legal.graph.node}:  # else random in training mode
+        np.testing.assert_allclose(got, ort_run(onnx.load(str(path)), x), rtol=1e-5, atol=1e-5)

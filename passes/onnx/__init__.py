@@ -1,0 +1,90 @@
+"""ONNX-level legalisation: passes over an ``onnx_ir.Model`` that make a user's model trainable
+by onnxruntime-training 1.19.2 (README: "Your own model").
+
+:func:`legalization_pipeline` lists them in order (print it with :func:`describe_pipeline`):
+
+1. :class:`ConvertOpsetPass` — default-domain opset > 21 converted to 21;
+2. :class:`LowerIrVersionPass` — IR version <= 10;
+3. :class:`NameInputOutputPass` — one data input ``input``, one output ``logits``;
+4. :class:`NameNodesPass` — every node a unique non-empty name;
+5. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
+6. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
+7. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+8. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+
+:func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`).
+
+Every pass follows onnx_ir's contract (:mod:`passes.base`); user errors (ModelError,
+UnsupportedOpError) are raised from ``call`` and reach the caller as themselves through
+:func:`passes.base.run_passes`.
+"""
+
+from __future__ import annotations
+
+from onnx_ir.passes import PassBase, PassManager
+
+from .eval_model import TrimEvalBatchNormPass
+from .io_names import INPUT_NAME, OUTPUT_NAME, NameInputOutputPass
+from .node_names import NameNodesPass
+from .optional_outputs import AddOptionalOutputsPass
+from .refuse_no_grad_ops import RefuseNoGradOpsPass
+from .rewrite_no_grad_ops import ExpandSumPass, RewriteHardActivationsPass
+from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
+
+__all__ = [
+    "INPUT_NAME",
+    "MAX_IR_VERSION",
+    "MAX_OPSET",
+    "OUTPUT_NAME",
+    "AddOptionalOutputsPass",
+    "ConvertOpsetPass",
+    "ExpandSumPass",
+    "LowerIrVersionPass",
+    "NameInputOutputPass",
+    "NameNodesPass",
+    "RefuseNoGradOpsPass",
+    "RewriteHardActivationsPass",
+    "TrimEvalBatchNormPass",
+    "describe_pipeline",
+    "eval_model_pipeline",
+    "legalization_pipeline",
+]
+
+
+def legalization_pipeline(source: str = "model") -> PassManager:
+    """The legalisation passes in order, as one ``PassManager`` run once.
+
+    Args:
+        source: what the model is called in user errors (its file path).
+    """
+    return PassManager(
+        [
+            ConvertOpsetPass(source),
+            LowerIrVersionPass(source),
+            NameInputOutputPass(source),
+            NameNodesPass(),
+            AddOptionalOutputsPass(),
+            RewriteHardActivationsPass(source),
+            ExpandSumPass(source),
+            RefuseNoGradOpsPass(source),
+        ],
+        steps=1,
+    )
+
+
+def eval_model_pipeline() -> PassManager:
+    """The passes applied to ``eval_model.onnx`` after ``generate_artifacts``."""
+    return PassManager([TrimEvalBatchNormPass()], steps=1)
+
+
+def describe_pipeline(pipeline: PassManager | None = None) -> list[tuple[str, str]]:
+    """``(pass name, one-line summary)`` for each pass of ``pipeline`` in order (default:
+    :func:`legalization_pipeline`), for ``etgraph inspect --passes``. The summary is the first
+    paragraph of the pass's docstring on one line."""
+    pipeline = legalization_pipeline() if pipeline is None else pipeline
+    return [(type(p).__name__, _summary(p)) for p in pipeline.passes]
+
+
+def _summary(pass_: PassBase) -> str:
+    doc = (type(pass_).__doc__ or "").strip()
+    return " ".join(doc.split("\n\n")[0].split()).replace("``", "`")  # reST literals -> plain

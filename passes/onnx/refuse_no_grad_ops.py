@@ -1,0 +1,72 @@
+"""Refuse ops without a gradient in ORT 1.19.2 where a gradient must pass through them.
+
+An op the registry (:mod:`etgraph.ops`) marks ``gradient=False`` (or ``"rewrite"`` left over)
+is refused when one of its differentiable inputs can carry a gradient
+(:func:`etgraph.ops.data_path_values`); off the data path (shape arithmetic, masks) it is
+harmless. The error names the node, the op and the registry's ``fix``.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
+
+from etgraph.errors import UnsupportedOpError
+from etgraph.ops import data_path_values, no_gradient_ops
+
+__all__ = ["RefuseNoGradOpsPass", "graph_skeleton"]
+
+
+def graph_skeleton(graph: ir.Graph) -> onnx.GraphProto:
+    """``graph`` as a ``GraphProto`` for :func:`etgraph.ops.data_path_values`: inputs, nodes and
+    initializer names/types, without copying any weights."""
+    proto = onnx.GraphProto()
+    for value in graph.inputs:
+        proto.input.add(name=value.name)
+    for name, value in graph.initializers.items():
+        proto.initializer.add(name=name, data_type=int(value.dtype or 0))
+    proto.node.extend(ir.serde.serialize_node(node) for node in graph)
+    return proto
+
+
+class RefuseNoGradOpsPass(InPlacePass):
+    """Refuse an op without a gradient in ORT 1.19.2 on the data path (an analysis: changes
+    nothing).
+
+    Raises (from ``call``):
+        UnsupportedOpError: ``<source>: node '<name>' uses op <Op>, which has no gradient in
+            onnxruntime-training 1.19.2; <fix> and re-export``.
+    """
+
+    def __init__(self, source: str = "model"):
+        super().__init__()
+        self.source = source
+
+    def requires(self, model: ir.Model) -> None:
+        # data_path_values walks the nodes once, in order: they must be topologically sorted
+        produced: set[ir.Value] = set()
+        for node in model.graph:
+            for value in node.inputs:
+                if value is not None and value.producer() is not None and value not in produced:
+                    raise PreconditionError(f"node {node.name!r} precedes its input {value.name!r}")
+            produced.update(node.outputs)
+
+    def call(self, model: ir.Model) -> PassResult:
+        no_gradient = no_gradient_ops()
+        suspects = [n for n in model.graph if n.domain == "" and n.op_type in no_gradient]
+        if not suspects:
+            return PassResult(model, modified=False)
+        carrying = data_path_values(graph_skeleton(model.graph))
+        for node in suspects:
+            rule = no_gradient[node.op_type]
+            if any(
+                v is not None and v.name in carrying
+                for i, v in enumerate(node.inputs)
+                if i not in rule.nondiff_slots
+            ):
+                raise UnsupportedOpError(
+                    f"{self.source}: node {node.name!r} uses op {node.op_type}, which has no "
+                    f"gradient in onnxruntime-training 1.19.2; {rule.fix} and re-export"
+                )
+        return PassResult(model, modified=False)

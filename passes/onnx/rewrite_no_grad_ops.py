@@ -1,0 +1,161 @@
+"""Rewrite ops that have no gradient builder in ORT 1.19.2 into ops that have one.
+
+The registry (:mod:`etgraph.ops`) marks them ``gradient="rewrite"``:
+
+* HardSwish ``y = x * clip(x + 3, 0, 6) / 6`` and HardSigmoid ``y = clip(alpha * x + beta, 0,
+  1)``: onnxscript pattern-rewrite rules (:class:`HardSwishRule`, :class:`HardSigmoidRule`),
+  the inverse of onnxscript's own HardSwish fusion;
+* variadic Sum ``Sum(a, b, c)`` -> ``Add(Add(a, b), c)``: built with onnx_ir nodes (a pattern
+  has a fixed number of inputs).
+
+New nodes and values are named ``<node>/<part>``; the constants are ``Constant`` nodes, not
+initializers, so they never become trainable tensors. The rules are applied by the passes
+themselves (``RewriteRule.try_rewrite`` + ``onnx_ir.convenience.replace_nodes_and_values``)
+rather than by ``RewriteRuleSet.apply_to_model``, which would also run onnx_ir's
+``NameFixPass`` (naming every unnamed value, i.e. turning left-out optional outputs into real
+ones) and propagate constants through the whole graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.convenience import replace_nodes_and_values
+from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
+from onnxscript.rewriter import pattern
+
+__all__ = ["ExpandSumPass", "HardSigmoidRule", "HardSwishRule", "RewriteHardActivationsPass"]
+
+log = logging.getLogger(__name__)
+
+
+def _constant(op, prefix: str, part: str, value: float, like: ir.Value) -> ir.Value:
+    """A scalar ``Constant`` node named ``<prefix>/<part>`` of ``like``'s float type."""
+    dtype = like.dtype if like.dtype is not None and like.dtype.is_floating_point() else None
+    array = np.array(value, dtype=(dtype or ir.DataType.FLOAT).numpy())
+    name = f"{prefix}/{part}"
+    return op.Constant(value=ir.tensor(array, name=name), _name=name, _outputs=[name])
+
+
+class HardSwishRule(pattern.RewriteRuleClassBase):
+    """HardSwish(x) -> Div(Mul(x, Clip(Add(x, 3), 0, 6)), 6)."""
+
+    def pattern(self, op, x):
+        return op.HardSwish(x, _outputs=["y"])
+
+    def rewrite(self, op, x: ir.Value, y: ir.Value):
+        p = y.producer().name
+        three = _constant(op, p, "three", 3.0, x)
+        zero = _constant(op, p, "zero", 0.0, x)
+        six = _constant(op, p, "six", 6.0, x)
+        x3 = op.Add(x, three, _name=f"{p}/Add", _outputs=[f"{p}/x3"])
+        relu6 = op.Clip(x3, zero, six, _name=f"{p}/Clip", _outputs=[f"{p}/relu6"])
+        xr = op.Mul(x, relu6, _name=f"{p}/Mul", _outputs=[f"{p}/xr"])
+        return op.Div(xr, six, _name=f"{p}/Div")
+
+
+class HardSigmoidRule(pattern.RewriteRuleClassBase):
+    """HardSigmoid(x; alpha, beta) -> Clip(Add(Mul(x, alpha), beta), 0, 1)."""
+
+    def pattern(self, op, x):
+        return op.HardSigmoid(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def rewrite(self, op, x: ir.Value, y: ir.Value):
+        node = y.producer()
+        p = node.name
+        alpha = _constant(op, p, "alpha", node.attributes.get_float("alpha", 0.2), x)
+        beta = _constant(op, p, "beta", node.attributes.get_float("beta", 0.5), x)
+        zero = _constant(op, p, "zero", 0.0, x)
+        one = _constant(op, p, "one", 1.0, x)
+        ax = op.Mul(x, alpha, _name=f"{p}/Mul", _outputs=[f"{p}/ax"])
+        axb = op.Add(ax, beta, _name=f"{p}/Add", _outputs=[f"{p}/axb"])
+        return op.Clip(axb, zero, one, _name=f"{p}/Clip")
+
+
+def _remaining(model: ir.Model, op_types: tuple[str, ...]) -> list[str]:
+    return [n.name for n in model.graph if n.domain == "" and n.op_type in op_types]
+
+
+class RewriteHardActivationsPass(InPlacePass):
+    """Rewrite HardSwish and HardSigmoid into Add/Mul/Div/Clip with Constant nodes (onnxscript
+    rewrite rules)."""
+
+    OP_TYPES = ("HardSwish", "HardSigmoid")
+
+    def __init__(self, source: str = "model"):
+        super().__init__()
+        self.source = source
+        self.rules = (HardSwishRule.rule(), HardSigmoidRule.rule())
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        count = 0
+        for node in list(graph):
+            if node.domain != "" or node.op_type not in self.OP_TYPES:
+                continue
+            for rule in self.rules:
+                delta = rule.try_rewrite(model, graph, node)
+                if delta is None:
+                    continue
+                replace_nodes_and_values(
+                    graph,
+                    node,
+                    delta.match.nodes,
+                    delta.new_nodes,
+                    delta.match.outputs,
+                    delta.new_outputs,
+                )
+                log.info(
+                    "%s: rewrote %s node %r into ops with gradients",
+                    self.source,
+                    node.op_type,
+                    node.name,
+                )
+                count += 1
+                break
+        return PassResult(model, modified=count > 0)
+
+    def ensures(self, model: ir.Model) -> None:
+        left = _remaining(model, self.OP_TYPES)
+        if left:
+            raise PostconditionError(f"nodes not rewritten: {left[:5]}")
+
+
+class ExpandSumPass(InPlacePass):
+    """Rewrite variadic Sum into a chain of Add (Identity for a single input)."""
+
+    def __init__(self, source: str = "model"):
+        super().__init__()
+        self.source = source
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        modified = False
+        for node in list(graph):
+            if node.domain != "" or node.op_type != "Sum":
+                continue
+            p, terms = node.name, list(node.inputs)
+            if len(terms) == 1:
+                new_nodes = [ir.Node("", "Identity", terms, name=f"{p}/Identity")]
+            else:
+                new_nodes, acc = [], terms[0]
+                for i, term in enumerate(terms[1:], start=1):
+                    out = ir.Value(name=f"{p}/partial_{i}")
+                    new_nodes.append(
+                        ir.Node("", "Add", [acc, term], outputs=[out], name=f"{p}/Add_{i}")
+                    )
+                    acc = out
+            # the last new output takes the Sum's output name, uses and graph-output slot
+            replace_nodes_and_values(
+                graph, node, [node], new_nodes, node.outputs[:1], new_nodes[-1].outputs
+            )
+            log.info("%s: rewrote Sum node %r into ops with gradients", self.source, p)
+            modified = True
+        return PassResult(model, modified=modified)
+
+    def ensures(self, model: ir.Model) -> None:
+        left = _remaining(model, ("Sum",))
+        if left:
+            raise PostconditionError(f"nodes not rewritten: {left[:5]}")
