@@ -28,12 +28,13 @@ import onnx
 from passes import tensor_graph_pipeline
 from passes.base import run_passes
 from passes.layout import CHARGE_KINDS, op_id, op_nodes, tensor_id, tensor_nodes
+from passes.onnx import INPUT_NAME, OUTPUT_NAME
 
 from . import model as model_spec
 from .artifacts import ArtifactCache, generate
 from .dumps import read_graph
 from .errors import ConfigError, ModelError
-from .onnx_io import INPUT_NAME, OUTPUT_NAME, model_hash
+from .onnx_io import model_hash
 from .ops import op_rule
 
 __all__ = [

@@ -29,21 +29,11 @@ import onnx
 import onnx_ir as ir
 
 from passes.base import run_passes
-from passes.onnx import (
-    INPUT_NAME,  # noqa: F401  (transitional re-export, see below)
-    MAX_IR_VERSION,
-    OUTPUT_NAME,  # noqa: F401  (transitional re-export, see below)
-    legalization_pipeline,
-)
+from passes.onnx import MAX_IR_VERSION, legalization_pipeline
 
 from .errors import ModelError
 
 __all__ = ["legalize", "load_model", "model_hash", "model_structure"]
-
-# TRANSITIONAL (issue #13 merge): etgraph/graph.py imports INPUT_NAME/OUTPUT_NAME from here; they
-# live in passes.onnx, with the pass that fixes them. Drop them here once graph.py imports them
-# from passes.onnx.
-
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Load an ONNX model from ``path``, validate it and legalise it for ORT 1.19.2 training.
