@@ -1,8 +1,14 @@
-"""Shared fixtures: small zoo models exported once per test session (seconds each).
+"""Shared fixtures (helpers that are not fixtures are in ``helpers.py``).
 
-Each ``*_onnx`` fixture returns the path of a training-ready ONNX file (input ``input``
-``float32 [B, 3, 32, 32]``, output ``logits`` ``float32 [B, 10]``, dynamic batch axis)
-written by :func:`models.export.export_onnx` into a session temporary directory.
+* small zoo models exported once per test session (seconds each): each ``*_onnx`` fixture
+  returns the path of a training-ready ONNX file (input ``input`` ``float32 [B, 3, 32, 32]``,
+  output ``logits`` ``float32 [B, 10]``, dynamic batch axis) written by
+  :func:`models.export.export_onnx` into a session temporary directory;
+* the embedded default model, loaded once, and one real (short) profile of it;
+* ``cache_env``: an environment with a private ``ETGRAPH_CACHE`` for CLI subprocesses.
+
+Tests marked ``slow`` run real training, profiling or kill/resume cycles:
+``python -m pytest -q -m "not slow"`` is the fast subset.
 """
 
 from __future__ import annotations
@@ -10,6 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from etgraph.data import DEFAULT_MODEL_PATH
+from etgraph.model import LoadedModel
+from etgraph.profile import Profile
+from etgraph.profiler import profile_model
 
 SMALL_INPUT_SHAPE = (3, 32, 32)
 SMALL_NUM_CLASSES = 10
@@ -45,9 +56,28 @@ def tiny_vit_onnx(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The embedded pretrained default model (``etgraph/assets/default_model.onnx``)."""
-    from etgraph.data import DEFAULT_MODEL_PATH
-
     assert DEFAULT_MODEL_PATH.is_file(), (
         f"{DEFAULT_MODEL_PATH} missing: run models/pretrain_default.py"
     )
     return DEFAULT_MODEL_PATH
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path) -> LoadedModel:
+    """The embedded default model, loaded and legalised once."""
+    return LoadedModel.load(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_profile(tmp_path_factory, default_model) -> tuple[Profile, Path]:
+    """A real (short: 2 repeats, 1 warm-up) profile of the default model at batch 4, and the
+    path of its JSON."""
+    root = tmp_path_factory.mktemp("default-profile")
+    prof = profile_model(default_model, batch_size=4, repeats=2, warmup=1, cache_dir=root)
+    return prof, prof.save(root / "profile.json")
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory) -> dict[str, str]:
+    """Environment entries for CLI subprocesses: a private profile cache for the session."""
+    return {"ETGRAPH_CACHE": str(tmp_path_factory.mktemp("etgraph-cache"))}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from helpers import make_model
+from onnx import helper, numpy_helper
 
 from etgraph.artifacts import ARTIFACT_FILES, ArtifactCache, generate, selection_key
 from etgraph.errors import ConfigError, ModelError
@@ -44,15 +45,7 @@ def conv_bn_model(
         _init("fw", 0.3 * rng.standard_normal((4, 6))),
         _init("fb", np.zeros(4)),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [BATCH, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, 4])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = make_model(nodes, inits, in_shape=(BATCH, 3, 8, 8), out_shape=(BATCH, 4))
     return legalize(model, source="conv_bn") if legal else model
 
 

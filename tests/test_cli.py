@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import networkx as nx
 import pytest
+from helpers import run_cli
 
 from etgraph import __version__, graph
 from etgraph import cli as cli_module
 from passes import tensor_graph_pipeline
 from passes.base import run_passes
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "etgraph", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def test_version_and_help():

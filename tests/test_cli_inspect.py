@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
+
+from helpers import run_cli
 
 from etgraph.dumps import read_graph
 from etgraph.graph import charges
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "etgraph", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):

@@ -3,32 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from helpers import run_cli
 
 from etgraph import onnx_io
 from etgraph.model import LoadedModel
 
 
-def run_cli(*args: str, env_cache) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ETGRAPH_CACHE=str(env_cache))
-    return subprocess.run(
-        [sys.executable, "-m", "etgraph", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+def cache_at(path) -> dict[str, str]:
+    return {"ETGRAPH_CACHE": str(path)}
 
 
 @pytest.mark.slow
 def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
     out = tmp_path / "profile.json"
     args = ("profile", str(tiny_cnn_onnx), "--repeats", "3", "--threads", "1", "-o", str(out))
-    first = run_cli(*args, "--batch-size", "2", env_cache=tmp_path / "cache")
+    first = run_cli(*args, "--batch-size", "2", env=cache_at(tmp_path / "cache"))
     assert first.returncode == 0, first.stderr
     assert "tensors, batch 2, input 3x32x32, 1 threads" in first.stdout
     assert "full step" in first.stdout and "ms measured" in first.stdout
@@ -47,7 +38,7 @@ def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
     cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
     assert len(cached) == 1
 
-    second = run_cli(*args, "--batch-size", "2", env_cache=tmp_path / "cache")
+    second = run_cli(*args, "--batch-size", "2", env=cache_at(tmp_path / "cache"))
     assert second.returncode == 0, second.stderr
     again = json.loads(out.read_text())
     assert again["tensor_timings"] == data["tensor_timings"]
@@ -55,12 +46,12 @@ def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
 
 
 def test_profile_errors_are_one_line(tmp_path):
-    missing = run_cli("profile", str(tmp_path / "nope.onnx"), env_cache=tmp_path)
+    missing = run_cli("profile", str(tmp_path / "nope.onnx"), env=cache_at(tmp_path))
     assert missing.returncode == 1
     assert missing.stderr.startswith("etgraph: error:")
     assert len(missing.stderr.strip().splitlines()) == 1
     bad_shape = run_cli(
-        "profile", str(tmp_path / "nope.onnx"), "--input-shape", "3x32", env_cache=tmp_path
+        "profile", str(tmp_path / "nope.onnx"), "--input-shape", "3x32", env=cache_at(tmp_path)
     )
     assert bad_shape.returncode == 1
     assert "input shape" in bad_shape.stderr

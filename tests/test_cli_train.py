@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from helpers import run_cli
 
 QUICK = ["--max-steps-per-epoch", "4", "--max-val-batches", "4", "--quiet"]
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "etgraph", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
-
-
 @pytest.fixture(scope="module")
-def profile_json(tmp_path_factory, default_model_path):
-    from etgraph.profiler import profile_model
-
-    root = tmp_path_factory.mktemp("cli-profile")
-    prof = profile_model(default_model_path, batch_size=4, repeats=2, warmup=1)
-    return prof.save(root / "profile.json")
+def profile_json(default_profile):
+    return default_profile[1]
 
 
 def _epochs(out) -> list[int]:

@@ -12,13 +12,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from helpers import assert_user_error, make_model, random_initializer, run_cli
+from onnx import TensorProto, helper
 from PIL import Image
 
 QUICK_COMPILE = ["--repeats", "1"]
@@ -26,44 +26,23 @@ QUICK_TRAIN = ["--epochs", "1", "--max-steps-per-epoch", "1", "--max-val-batches
 
 
 @pytest.fixture(scope="module")
-def cache_env(tmp_path_factory) -> dict[str, str]:
-    """Environment of every CLI call: a private profile cache shared by this module."""
-    return {**os.environ, "ETGRAPH_CACHE": str(tmp_path_factory.mktemp("etgraph-cache"))}
-
-
-@pytest.fixture(scope="module")
 def cli(cache_env):
+    """The CLI with the session's private profile cache (after the first compile every profile
+    is a cache hit)."""
+
     def run(*args: str | os.PathLike) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "etgraph", *map(str, args)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=cache_env,
-        )
+        return run_cli(*args, env=cache_env)
 
     return run
 
 
-def assert_user_error(done: subprocess.CompletedProcess, *fragments: str, code: int = 1) -> str:
-    """Exit ``code`` (1; click's 2 for usage errors), one stderr line ``etgraph: error: ...``
-    containing every fragment; returns the line."""
-    assert done.returncode == code, (done.returncode, done.stderr[-3000:])
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr[-3000:]
-    assert lines[0].startswith("etgraph: error: "), lines[0]
-    assert "Traceback" not in done.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
+@pytest.fixture(scope="module")
+def profile_json(default_profile) -> Path:
+    """A quick profile of the embedded default model (for train without re-profiling)."""
+    return default_profile[1]
 
 
 # ---- small models built with onnx.helper ---------------------------------------------------
-
-
-def _init(name: str, shape, seed: int = 0) -> onnx.TensorProto:
-    rng = np.random.default_rng(seed)
-    return numpy_helper.from_array(0.1 * rng.standard_normal(shape).astype(np.float32), name)
 
 
 def conv_classifier(
@@ -90,21 +69,12 @@ def conv_classifier(
     if trainable:
         nodes.append(helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1))
         inits = [
-            _init("w", (6, 3, 3, 3)),
-            _init("b", (6,), 1),
-            _init("fw", (classes, 6), 2),
-            _init("fb", (classes,), 3),
+            random_initializer("w", (6, 3, 3, 3)),
+            random_initializer("b", (6,), 1),
+            random_initializer("fw", (classes, 6), 2),
+            random_initializer("fb", (classes,), 3),
         ]
-    out_classes = classes if trainable else 3
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(in_dims))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", out_classes])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    model = make_model(nodes, inits, in_shape=in_dims, out_shape=("N", classes if trainable else 3))
     onnx.checker.check_model(model)
     return model
 
@@ -296,34 +266,25 @@ def test_compile_bad_dataset(cli, compiled, tiny_cnn_onnx, bad_datasets, tmp_pat
     assert_user_error(done, *fragments)
 
 
-@pytest.fixture(scope="module")
-def default_profile(cli, default_model_path, tmp_path_factory) -> Path:
-    """A quick profile of the embedded default model (for train without re-profiling)."""
-    path = tmp_path_factory.mktemp("default-profile") / "profile.json"
-    done = cli("profile", default_model_path, "--repeats", "1", "--warmup", "0", "-o", path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return path
-
-
 @pytest.mark.parametrize("case", ["missing", "empty", "unreadable", "too_many"])
-def test_train_bad_dataset(cli, default_profile, bad_datasets, tmp_path, case):
+def test_train_bad_dataset(cli, profile_json, bad_datasets, tmp_path, case):
     path, fragments = bad_datasets[case]
-    done = cli("train", "--profile", default_profile, "--rho", "1", "--data", path,
+    done = cli("train", "--profile", profile_json, "--rho", "1", "--data", path,
                "--out", tmp_path / "run", *QUICK_TRAIN)  # fmt: skip
     assert_user_error(done, *fragments)
 
 
-def test_train_output_directory_not_writable(cli, default_profile, tmp_path):
+def test_train_output_directory_not_writable(cli, profile_json, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    done = cli("train", "--profile", default_profile, "--out", blocker / "run", *QUICK_TRAIN)
+    done = cli("train", "--profile", profile_json, "--out", blocker / "run", *QUICK_TRAIN)
     assert_user_error(done, str(blocker / "run"), "not writable")
 
 
 # ---- profiles and plans that belong to another model or setting ----------------------------
 
 
-def test_profile_of_another_model_is_refused(cli, compiled, default_profile, tmp_path):
+def test_profile_of_another_model_is_refused(cli, compiled, profile_json, tmp_path):
     # tiny_cnn's profile with the default model: caught by the model hash.
     done = cli("train", "--profile", compiled / "profile.json", "--out", tmp_path / "run",
                *QUICK_TRAIN)  # fmt: skip
@@ -384,9 +345,9 @@ def test_tampered_profile_cache_entry_is_not_reused(cli, compiled, tiny_cnn_onnx
 
 
 @pytest.fixture(scope="module")
-def finished_run(cli, default_profile, tmp_path_factory) -> Path:
+def finished_run(cli, profile_json, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "run"
-    done = cli("train", "--profile", default_profile, "--rho", "1", "--out", out, *QUICK_TRAIN)
+    done = cli("train", "--profile", profile_json, "--rho", "1", "--out", out, *QUICK_TRAIN)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -462,9 +423,9 @@ def test_unexpected_error_is_one_line_without_debug_and_a_traceback_with(
         raise RuntimeError("simulated internal failure")
 
     monkeypatch.setattr(graph, "load_tensor_graph", broken)
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit, match="3") as exit_info:
         cli_module.main(["inspect", str(tmp_path / "x.onnx")])
-    assert exit_info.value.code not in (0, None)
+    assert exit_info.value.code == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("etgraph: internal error:"), err
     assert "simulated internal failure" in err[0] and "--debug" in err[0]

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import make_model, random_initializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -109,25 +110,6 @@ def worker(tmp_path_factory):
 # ---- base models -------------------------------------------------------------------------
 
 
-def _init(name: str, shape, seed: int) -> onnx.TensorProto:
-    rng = np.random.default_rng(seed)
-    return numpy_helper.from_array(0.1 * rng.standard_normal(shape).astype(np.float32), name)
-
-
-def _model(nodes, inits, in_dims, classes=4) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        nodes,
-        "fuzz",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(in_dims))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", classes])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
-
-
 def conv_bn() -> onnx.ModelProto:
     """Conv -> BatchNorm -> Relu -> GAP -> Flatten -> Gemm (4 classes), input [N, 3, 8, 8]."""
     nodes = [
@@ -139,16 +121,16 @@ def conv_bn() -> onnx.ModelProto:
         helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
     ]
     inits = [
-        _init("w", (6, 3, 3, 3), 0),
-        _init("b", (6,), 1),
+        random_initializer("w", (6, 3, 3, 3), 0),
+        random_initializer("b", (6,), 1),
         numpy_helper.from_array(np.ones(6, np.float32), "g"),
-        _init("beta", (6,), 2),
-        _init("mean", (6,), 3),
+        random_initializer("beta", (6,), 2),
+        random_initializer("mean", (6,), 3),
         numpy_helper.from_array(np.ones(6, np.float32), "var"),
-        _init("fw", (4, 6), 4),
-        _init("fb", (4,), 5),
+        random_initializer("fw", (4, 6), 4),
+        random_initializer("fb", (4,), 5),
     ]
-    return _model(nodes, inits, ("N", 3, 8, 8))
+    return make_model(nodes, inits, in_shape=("N", 3, 8, 8), out_shape=("N", 4), check=True)
 
 
 def residual() -> onnx.ModelProto:
@@ -163,14 +145,14 @@ def residual() -> onnx.ModelProto:
         helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
     ]
     inits = [
-        _init("w1", (4, 3, 3, 3), 0),
-        _init("b1", (4,), 1),
-        _init("w2", (4, 4, 3, 3), 2),
-        _init("b2", (4,), 3),
-        _init("fw", (4, 4), 4),
-        _init("fb", (4,), 5),
+        random_initializer("w1", (4, 3, 3, 3), 0),
+        random_initializer("b1", (4,), 1),
+        random_initializer("w2", (4, 4, 3, 3), 2),
+        random_initializer("b2", (4,), 3),
+        random_initializer("fw", (4, 4), 4),
+        random_initializer("fb", (4,), 5),
     ]
-    return _model(nodes, inits, ("N", 3, 8, 8))
+    return make_model(nodes, inits, in_shape=("N", 3, 8, 8), out_shape=("N", 4), check=True)
 
 
 def mlp_layernorm() -> onnx.ModelProto:
@@ -185,14 +167,14 @@ def mlp_layernorm() -> onnx.ModelProto:
         helper.make_node("Add", ["o", "b2"], ["y"], name="fc2_bias"),
     ]
     inits = [
-        _init("w1", (16, 8), 0),
-        _init("b1", (8,), 1),
+        random_initializer("w1", (16, 8), 0),
+        random_initializer("b1", (8,), 1),
         numpy_helper.from_array(np.ones(8, np.float32), "ln_g"),
-        _init("ln_b", (8,), 2),
-        _init("w2", (8, 4), 3),
-        _init("b2", (4,), 4),
+        random_initializer("ln_b", (8,), 2),
+        random_initializer("w2", (8, 4), 3),
+        random_initializer("b2", (4,), 4),
     ]
-    return _model(nodes, inits, ("N", 1, 4, 4))
+    return make_model(nodes, inits, in_shape=("N", 1, 4, 4), out_shape=("N", 4), check=True)
 
 
 BASES = {"conv_bn": conv_bn, "residual": residual, "mlp_layernorm": mlp_layernorm}

@@ -12,6 +12,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import make_model, random_initializer, save_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes import PostconditionError, PreconditionError
 
@@ -38,25 +39,6 @@ from passes.onnx import (
 from passes.onnx.node_names import check_node_names
 
 
-def _init(name: str, shape, seed: int = 0) -> onnx.TensorProto:
-    rng = np.random.default_rng(seed)
-    return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
-
-
-def make_model(nodes, inits, *, x="x", y="y", in_shape=(1, 3, 8, 8), out_shape=(1, 4), inputs=None):
-    """A small opset-17 model: input ``x`` -> nodes -> output ``y``."""
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        inputs or [helper.make_tensor_value_info(x, TensorProto.FLOAT, list(in_shape))],
-        [helper.make_tensor_value_info(y, TensorProto.FLOAT, list(out_shape))],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def conv_head(act_nodes, act_out: str):
     """x -> Conv(w, b) -> <act_nodes reading 'c', writing act_out> -> GAP -> Flatten -> Gemm."""
     nodes = [
@@ -66,19 +48,18 @@ def conv_head(act_nodes, act_out: str):
         helper.make_node("Flatten", ["p"], ["f"], name="flat"),
         helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
     ]
-    inits = [_init("w", (6, 3, 3, 3)), _init("b", (6,)), _init("fw", (4, 6)), _init("fb", (4,))]
+    inits = [
+        random_initializer("w", (6, 3, 3, 3), scale=1.0),
+        random_initializer("b", (6,), scale=1.0),
+        random_initializer("fw", (4, 6), scale=1.0),
+        random_initializer("fb", (4,), scale=1.0),
+    ]
     return make_model(nodes, inits)
-
-
-def save(model, tmp_path, name="m.onnx"):
-    path = tmp_path / name
-    onnx.save(model, str(path))
-    return path
 
 
 def test_load_valid_model_renames_input_and_output(tmp_path):
     model = load_model(
-        save(conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r"), tmp_path)
+        save_model(conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r"), tmp_path)
     )
     assert [i.name for i in model.graph.input] == ["input"]
     assert [o.name for o in model.graph.output] == ["logits"]
@@ -122,7 +103,7 @@ def test_no_trainable_initializers(tmp_path):
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
     with pytest.raises(ModelError, match="no trainable tensors"):
-        LoadedModel.load(save(make_model(nodes, [], out_shape=(1, 3)), tmp_path))
+        LoadedModel.load(save_model(make_model(nodes, [], out_shape=(1, 3)), tmp_path))
 
 
 def test_two_inputs_refused(tmp_path):
@@ -136,15 +117,15 @@ def test_two_inputs_refused(tmp_path):
         helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
-    model = make_model(nodes, [_init("w", (4, 3, 3, 3))], inputs=inputs)
+    model = make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)], inputs=inputs)
     with pytest.raises(ModelError, match="exactly one graph input"):
-        load_model(save(model, tmp_path))
+        load_model(save_model(model, tmp_path))
 
 
 def test_unsupported_op_names_node_and_suggests(tmp_path):
     model = conv_head([helper.make_node("Softplus", ["c"], ["s"], name="my_softplus")], "s")
     with pytest.raises(UnsupportedOpError, match="'my_softplus'.*Softplus.*log\\(1 \\+ exp"):
-        load_model(save(model, tmp_path))
+        load_model(save_model(model, tmp_path))
 
 
 def test_global_max_pool_refused(tmp_path):
@@ -154,13 +135,17 @@ def test_global_max_pool_refused(tmp_path):
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
     with pytest.raises(UnsupportedOpError, match="'gmp'.*GlobalMaxPool"):
-        load_model(save(make_model(nodes, [_init("w", (4, 3, 3, 3))]), tmp_path))
+        load_model(
+            save_model(
+                make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)]), tmp_path
+            )
+        )
 
 
 @pytest.mark.parametrize("op", ["HardSwish", "HardSigmoid"])
 def test_hard_activations_rewritten_with_same_outputs(tmp_path, op):
     original = conv_head([helper.make_node(op, ["c"], ["h"], name="hact")], "h")
-    path = save(original, tmp_path)
+    path = save_model(original, tmp_path)
     legal = load_model(path)
     assert op not in {n.op_type for n in legal.graph.node}
     # the rewrite adds Constant nodes, not initializers: no new "trainable" tensors
@@ -177,7 +162,7 @@ def test_variadic_sum_rewritten_as_adds(tmp_path):
         helper.make_node("Sigmoid", ["c"], ["r2"], name="r2"),
         helper.make_node("Sum", ["c", "r1", "r2"], ["s"], name="sum3"),
     ]
-    legal = load_model(save(conv_head(nodes, "s"), tmp_path))
+    legal = load_model(save_model(conv_head(nodes, "s"), tmp_path))
     ops = [n.op_type for n in legal.graph.node]
     assert "Sum" not in ops and ops.count("Add") == 2
 
@@ -191,8 +176,13 @@ def test_layernorm_and_dropout_get_optional_outputs(tmp_path):
         helper.make_node("Dropout", ["n"], ["d"], name="drop"),
         helper.make_node("Gemm", ["d", "fw"], ["y"], name="fc", transB=1),
     ]
-    inits = [_init("w", (6, 3, 3, 3)), _init("g", (6,)), _init("be", (6,)), _init("fw", (4, 6))]
-    legal = load_model(save(make_model(nodes, inits), tmp_path))
+    inits = [
+        random_initializer("w", (6, 3, 3, 3), scale=1.0),
+        random_initializer("g", (6,), scale=1.0),
+        random_initializer("be", (6,), scale=1.0),
+        random_initializer("fw", (4, 6), scale=1.0),
+    ]
+    legal = load_model(save_model(make_model(nodes, inits), tmp_path))
     by_name = {n.name: n for n in legal.graph.node}
     assert len(by_name["ln"].output) == 3 and all(by_name["ln"].output)
     assert len(by_name["drop"].output) == 2 and all(by_name["drop"].output)
@@ -206,7 +196,9 @@ def test_unnamed_and_duplicate_nodes_get_unique_names(tmp_path):
         helper.make_node("GlobalAveragePool", ["r"], ["p"], name="dup"),
         helper.make_node("Flatten", ["p"], ["y"]),
     ]
-    legal = load_model(save(make_model(nodes, [_init("w", (4, 3, 3, 3))]), tmp_path))
+    legal = load_model(
+        save_model(make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)]), tmp_path)
+    )
     names = [n.name for n in legal.graph.node]
     assert all(names) and len(set(names)) == len(names)
 
@@ -215,14 +207,14 @@ def test_opset_above_21_is_converted_or_refused(tmp_path):
     model = conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r")
     model.opset_import[0].version = 22
     model.ir_version = 10
-    legal = load_model(save(model, tmp_path))
+    legal = load_model(save_model(model, tmp_path))
     assert legal.opset_import[0].version <= 21
 
 
 def test_ir_version_above_10_is_lowered(tmp_path):
     model = conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r")
     model.ir_version = 11
-    assert load_model(save(model, tmp_path)).ir_version == 10
+    assert load_model(save_model(model, tmp_path)).ir_version == 10
 
 
 def test_input_shape_static_symbolic_and_override():
@@ -255,7 +247,7 @@ def test_parse_input_shape():
 def test_model_hash_ignores_weights_not_structure():
     a = conv_head([], "c")
     b = conv_head([], "c")
-    b.graph.initializer[0].CopyFrom(_init("w", (6, 3, 3, 3), seed=5))
+    b.graph.initializer[0].CopyFrom(random_initializer("w", (6, 3, 3, 3), seed=5, scale=1.0))
     c = conv_head([helper.make_node("Relu", ["c"], ["r"], name="relu")], "r")
     assert model_hash(a) == model_hash(b)
     assert model_hash(a) != model_hash(c)
@@ -347,7 +339,7 @@ def test_name_nodes_pass_names_unnamed_and_duplicate_nodes():
         helper.make_node("GlobalAveragePool", ["r"], ["p"], name="dup"),
         helper.make_node("Flatten", ["p"], ["y"]),
     ]
-    model = make_model(nodes, [_init("w", (4, 3, 3, 3))])
+    model = make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)])
     out, modified = run_pass(NameNodesPass(), model)
     assert modified and [n.name for n in out.graph.node] == ["Conv_0", "dup", "dup_1", "Flatten_3"]
     assert run_pass(NameNodesPass(), out)[1] is False
@@ -373,8 +365,8 @@ def test_left_out_optional_outputs_stay_left_out(tmp_path):
         helper.make_node("GlobalAveragePool", ["s"], ["p"]),
         helper.make_node("Flatten", ["p"], ["y"]),
     ]
-    model = make_model(nodes, [_init("w", (4, 3, 3, 3))])
-    legal = load_model(save(model, tmp_path))
+    model = make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)])
+    legal = load_model(save_model(model, tmp_path))
     (maxpool,) = [list(n.output) for n in legal.graph.node if n.op_type == "MaxPool"]
     assert maxpool in (["m"], ["m", ""])  # onnx_ir writes no trailing empty output names
     x = sample()
@@ -392,7 +384,12 @@ def test_add_optional_outputs_pass():
         helper.make_node("Dropout", ["n2"], ["d"], name="drop"),
         helper.make_node("Gemm", ["d", "fw"], ["y"], name="fc", transB=1),
     ]
-    inits = [_init("w", (6, 3, 3, 3)), _init("g", (6,)), _init("be", (6,)), _init("fw", (4, 6))]
+    inits = [
+        random_initializer("w", (6, 3, 3, 3), scale=1.0),
+        random_initializer("g", (6,), scale=1.0),
+        random_initializer("be", (6,), scale=1.0),
+        random_initializer("fw", (4, 6), scale=1.0),
+    ]
     model = make_model(nodes, inits)
     out, modified = run_pass(AddOptionalOutputsPass(), model)
     names = nodes_by_name(out)
@@ -422,7 +419,12 @@ def test_rewrite_hard_activations_pass_computes_the_same(op, attrs, at_output):
             fc,
             helper.make_node(op, ["z"], ["y"], name="hact", **attrs),
         ]
-        inits = [_init("w", (6, 3, 3, 3)), _init("b", (6,)), _init("fw", (4, 6)), _init("fb", (4,))]
+        inits = [
+            random_initializer("w", (6, 3, 3, 3), scale=1.0),
+            random_initializer("b", (6,), scale=1.0),
+            random_initializer("fw", (4, 6), scale=1.0),
+            random_initializer("fb", (4,), scale=1.0),
+        ]
         model = make_model(nodes, inits)
     else:
         model = conv_head([helper.make_node(op, ["c"], ["h"], name="hact", **attrs)], "h")
@@ -489,7 +491,12 @@ def batch_norm_model(outputs: list[str], graph_outputs: tuple[str, ...] = ()) ->
         helper.make_node("GlobalAveragePool", ["n"], ["p"], name="gap"),
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
-    inits = [_init("w", (4, 3, 3, 3)), _init("g", (4,)), _init("b", (4,)), _init("mu", (4,))]
+    inits = [
+        random_initializer("w", (4, 3, 3, 3), scale=1.0),
+        random_initializer("g", (4,), scale=1.0),
+        random_initializer("b", (4,), scale=1.0),
+        random_initializer("mu", (4,), scale=1.0),
+    ]
     inits.append(numpy_helper.from_array(np.ones(4, np.float32), "var"))
     model = make_model(nodes, inits)
     for name in graph_outputs:
@@ -547,7 +554,7 @@ def test_opset_22_model_legalised_runs_in_ort(tmp_path):
     model = conv_head([helper.make_node("HardSigmoid", ["c"], ["h"], name="hs")], "h")
     model.opset_import[0].version = 22
     model.ir_version = 10
-    legal = load_model(save(model, tmp_path))
+    legal = load_model(save_model(model, tmp_path))
     assert legal.ir_version <= MAX_IR_VERSION and legal.opset_import[0].version == MAX_OPSET
     assert ort_run(legal, sample()).shape == (1, 4)
 
@@ -560,7 +567,7 @@ def test_legalisation_is_idempotent_and_ort_loads_it(fixture, request, tmp_path)
     profile is matched by model_hash, so loading it again must give the same model."""
     path = request.getfixturevalue(fixture)
     legal = load_model(path)
-    again = load_model(save(legal, tmp_path, "legal.onnx"))
+    again = load_model(save_model(legal, tmp_path, "legal.onnx"))
     assert model_hash(again) == model_hash(legal)
     assert again.SerializeToString() == legal.SerializeToString()
     assert run_passes(legalization_pipeline(), ir.from_proto(legal)).modified is False

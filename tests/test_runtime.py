@@ -29,19 +29,6 @@ QUICK = dict(max_steps_per_epoch=8, max_val_batches=12)
 
 
 @pytest.fixture(scope="module")
-def default_profile(tmp_path_factory, default_model_path):
-    """A real (short) profile of the default model at batch 4, saved as JSON too."""
-    from etgraph.profiler import profile_model
-
-    root = tmp_path_factory.mktemp("profile")
-    prof = profile_model(
-        default_model_path, batch_size=4, repeats=2, warmup=1, cache_dir=root / "cache"
-    )
-    prof.save(root / "profile.json")
-    return prof, root / "profile.json"
-
-
-@pytest.fixture(scope="module")
 def rho(default_profile):
     """A rho that leaves room for a real selection whatever this (noisy, shared) machine
     measured: 0.6, or 0.1 above the forward-pass floor if that is higher."""
@@ -50,11 +37,6 @@ def rho(default_profile):
     prof, _ = default_profile
     floor = min_feasible_rho(prof.t_dw_us, prof.t_dy_us, prof.forward_us, prof.t_full_us)
     return round(min(0.95, max(0.6, floor + 0.1)), 3)
-
-
-@pytest.fixture(scope="module")
-def default_model(default_model_path) -> LoadedModel:
-    return LoadedModel.load(default_model_path)
 
 
 # ---- checkpoint format ------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests (fixtures are in ``conftest.py``): the CLI in a subprocess, the
+one-line user-error check, and small ONNX models built with ``onnx.helper``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def run_cli(
+    *args: str | os.PathLike, env: Mapping[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m etgraph ARGS`` in a subprocess (text output captured); ``env`` entries are
+    added to this process's environment (e.g. ``ETGRAPH_CACHE``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "etgraph", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_user_error(done: subprocess.CompletedProcess, *fragments: str, code: int = 1) -> str:
+    """Exit ``code`` (1; click's 2 for usage errors), one stderr line ``etgraph: error: ...``
+    containing every fragment, no traceback; returns the line."""
+    assert done.returncode == code, (done.returncode, done.stderr[-3000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("etgraph: error: "), lines[0]
+    assert "Traceback" not in done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def random_initializer(
+    name: str, shape: Sequence[int], seed: int = 0, scale: float = 0.1
+) -> onnx.TensorProto:
+    """A float32 initializer of normal(0, ``scale``) values."""
+    rng = np.random.default_rng(seed)
+    return numpy_helper.from_array((scale * rng.standard_normal(shape)).astype(np.float32), name)
+
+
+def make_model(
+    nodes: Sequence[onnx.NodeProto],
+    initializers: Sequence[onnx.TensorProto],
+    *,
+    x: str = "x",
+    y: str = "y",
+    in_shape: Sequence[int | str] = (1, 3, 8, 8),
+    out_shape: Sequence[int | str] = (1, 4),
+    inputs: Sequence[onnx.ValueInfoProto] | None = None,
+    check: bool = False,
+) -> onnx.ModelProto:
+    """A small opset-17, IR-8 model: float input ``x`` -> ``nodes`` -> float output ``y``
+    (``inputs`` replaces the single input); ``check`` runs ``onnx.checker`` (full check)."""
+    graph = helper.make_graph(
+        list(nodes),
+        "g",
+        list(inputs) if inputs else [helper.make_tensor_value_info(x, TensorProto.FLOAT, in_shape)],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, list(out_shape))],
+        initializer=list(initializers),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    if check:
+        onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def save_model(model: onnx.ModelProto, directory: Path, name: str = "m.onnx") -> Path:
+    """Save ``model`` as ``directory/name``; returns the path."""
+    path = Path(directory) / name
+    onnx.save(model, str(path))
+    return path
