@@ -25,12 +25,14 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnxruntime.training import artifacts as ort_artifacts
+from onnxruntime.training import onnxblock
 
 from passes.base import run_passes
 from passes.onnx import eval_model_pipeline
 
 from . import files
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, first_line
 from .onnx_io import model_structure
 
 log = logging.getLogger(__name__)
@@ -130,9 +132,6 @@ def generate(
     if overlap:
         raise ConfigError(f"tensors both trainable and frozen: {sorted(overlap)[:5]}")
 
-    from onnxruntime.training import artifacts as ort_artifacts
-    from onnxruntime.training import onnxblock
-
     out_dir = Path(out_dir)
     native_log: list[str] = []
     with files.atomic_directory(out_dir) as tmp:
@@ -149,10 +148,9 @@ def generate(
                     additional_output_names=[model.graph.output[0].name],
                 )
         except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             log.debug("onnxruntime-training log:\n%s", "".join(native_log))
             raise ModelError(
-                f"onnxruntime-training could not build the training graph: {first}"
+                f"onnxruntime-training could not build the training graph: {first_line(exc)}"
             ) from exc
         _fix_eval_model(tmp / "eval_model.onnx")
     log.debug("artifacts for %d trainable tensors in %s", len(requires_grad), out_dir)

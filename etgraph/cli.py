@@ -13,10 +13,25 @@ from pathlib import Path
 import click
 from onnx_ir.passes import PassError
 
-import passes
+from passes import describe_pipeline, tensor_graph_pipeline
+from passes.onnx import eval_model_pipeline, legalization_pipeline
 
 from . import __version__, dumps, graph
-from .errors import EtgraphError
+from .data import DEFAULT_MODEL_PATH
+from .errors import (
+    ConfigError,
+    EtgraphError,
+    ModelError,
+    ProfileMismatchError,
+    first_line,
+)
+from .loop import TrainConfig, resume, train
+from .model import LoadedModel, parse_input_shape
+from .pipeline import compile_model
+from .profile import Profile, default_cache_dir
+from .profiler import profile_model
+from .rundir import format_summary
+from .selection import STRATEGIES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -71,8 +86,7 @@ def _internal_cause(exc: BaseException) -> str:
     (``PreconditionError: Pre-condition for pass 'X' failed: KeyError: 'index'``)."""
 
     def text(e: BaseException) -> str:
-        first = (str(e).strip().splitlines() or [""])[0]
-        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+        return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
 
     chain: list[BaseException] = []
     current: BaseException | None = exc
@@ -116,8 +130,14 @@ def inspect_command(
     """Print the tensor table of TARGET (an .onnx model or a compiled directory) and write the
     tensor-level backward graph (JSON node-link, GraphML, DOT)."""
     if show_passes:
-        click.echo("tensor-graph passes (passes/):")
-        click.echo("\n".join(passes.describe_pipeline(passes.tensor_graph_pipeline(), "  ")))
+        pipelines = (
+            ("ONNX legalisation (passes/onnx/, every model loaded)", legalization_pipeline()),
+            ("tensor-graph passes (passes/, on ORT's training graph)", tensor_graph_pipeline()),
+            ("eval-model fix-ups (passes/onnx/, after generate_artifacts)", eval_model_pipeline()),
+        )
+        for title, pipeline in pipelines:
+            click.echo(f"{title}:")
+            click.echo("\n".join(describe_pipeline(pipeline, "  ")))
         return
     if target is None:  # optional only for --passes: the usual usage error otherwise
         raise click.UsageError("Missing argument 'TARGET'.", ctx=click.get_current_context())
@@ -172,9 +192,6 @@ def profile_command(
     model, batch_size, input_shape, repeats, warmup, threads, output, cache_dir, no_cache, clock
 ):
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
-    from .model import LoadedModel, parse_input_shape
-    from .profile import default_cache_dir
-    from .profiler import profile_model
 
     shape = parse_input_shape(input_shape) if input_shape else None
     cache = None if no_cache else (cache_dir or default_cache_dir())
@@ -252,7 +269,6 @@ def compile_command(
 ) -> None:
     """Compile MODEL (default: the embedded pretrained CNN) for elastic training: tensor graph,
     profile, DP selection under rho * T_full, and ONNX Runtime training artifacts in OUT."""
-    from .pipeline import compile_model
 
     result = compile_model(
         model,
@@ -290,7 +306,7 @@ def compile_command(
     "--strategy",
     default="elastic",
     show_default=True,
-    type=click.Choice(["elastic", "full", "last-layer", "bn-bias", "prefix", "topk"]),
+    type=click.Choice(STRATEGIES),
     help="Tensor selection: elastic (DP) or a baseline.",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
@@ -326,9 +342,6 @@ def train_command(
 ):
     """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
     and digits data) with elastic tensor selection, re-selecting every --period epochs."""
-    from .errors import ConfigError
-    from .loop import TrainConfig, resume, train
-    from .rundir import format_summary
 
     if resume_dir is not None:
         if model is not None or out is not None:
@@ -361,13 +374,6 @@ def train_command(
 def _train_inputs(model, profile_path, batch_size, input_shape, threads):
     """(LoadedModel, Profile) for `etgraph train`: compiled dir, ONNX file or the default.
     The model is loaded here, once, and handed to the whole run."""
-    from pathlib import Path
-
-    from .data import DEFAULT_MODEL_PATH
-    from .errors import ModelError, ProfileMismatchError
-    from .model import LoadedModel, parse_input_shape
-    from .profile import Profile, default_cache_dir
-    from .profiler import profile_model
 
     source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
     if source.is_dir():

@@ -8,6 +8,13 @@ the file, node or op concerned and says what to do; the CLI prints them as
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type name when the message is empty): what a
+    one-line error quotes of a library's exception."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 class EtgraphError(Exception):
     """Base class of every error etgraph raises on purpose (bad input, impossible request)."""
 

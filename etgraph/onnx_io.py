@@ -31,9 +31,10 @@ import onnx_ir as ir
 from passes.base import run_passes
 from passes.onnx import MAX_IR_VERSION, legalization_pipeline
 
-from .errors import ModelError
+from .errors import ModelError, first_line
 
 __all__ = ["legalize", "load_model", "model_hash", "model_structure"]
+
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Load an ONNX model from ``path``, validate it and legalise it for ORT 1.19.2 training.
@@ -57,7 +58,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path))
     except Exception as exc:  # protobuf DecodeError, external-data errors, ...
-        raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from exc
+        raise ModelError(f"{path}: not a readable ONNX model ({first_line(exc)})") from exc
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model with a graph (empty or truncated file?)")
     _check(model, path)
@@ -72,7 +73,7 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
     try:
         onnx.checker.check_model(model)
     except Exception as exc:
-        raise ModelError(f"{path}: invalid ONNX model: {_first_line(exc)}") from exc
+        raise ModelError(f"{path}: invalid ONNX model: {first_line(exc)}") from exc
     finally:
         model.ir_version = ir_version
 
@@ -88,11 +89,6 @@ def legalize(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
     """
     result = run_passes(legalization_pipeline(source), ir.from_proto(model))
     return ir.to_proto(result.model)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def model_structure(model: onnx.ModelProto) -> onnx.GraphProto:

@@ -66,7 +66,7 @@ import onnxruntime as ort
 
 from . import graph
 from .artifacts import ArtifactCache
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, first_line
 from .fold import (
     calibrate,
     charge_node_times,
@@ -258,10 +258,10 @@ def _profile(
     except Exception as exc:
         if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelError(
             f"onnxruntime cannot run the model at input shape {format_shape(shape)}, batch "
-            f"{batch_size} ({first[-300:]}): pass the shape it was exported for with --input-shape"
+            f"{batch_size} ({first_line(exc)[-300:]}): pass the shape it was exported for with "
+            "--input-shape"
         ) from exc
     node_times = {c: g.result(warmup) for c, g in graphs.items()}
     measured = {c: s.result(warmup) for c, s in steps.items()}

@@ -9,8 +9,8 @@
   the optimizer model, exported inference models).
 * :func:`evaluate_onnx` — loss and accuracy of an exported inference model.
 
-``onnxruntime.training`` imports torch (1-4 s); it is imported when a training session is first
-opened, so commands that open none (``inspect``, ``--version``) do not pay for it.
+The onnxruntime-training wheel imports ``onnxruntime.training`` (and with it torch) as part of
+``import onnxruntime``, so importing its training API here costs nothing more.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.training import api
 
 from .files import atomic_target
 
@@ -70,12 +71,6 @@ def inference_session(
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def _training_api():
-    from onnxruntime.training import api  # imports torch: only when a training session opens
-
-    return api
-
-
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
     """Sum of cross-entropy losses and number of correct argmax predictions.
 
@@ -116,7 +111,6 @@ class TrainingSession:
     """
 
     def __init__(self, directory: str | os.PathLike, checkpoint: str | os.PathLike, threads):
-        api = _training_api()
         d = Path(directory)
         self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
         self.module = api.Module(
@@ -163,9 +157,7 @@ class TrainingSession:
         for key, value in properties.items():
             self.state.properties[key] = value
         with atomic_target(path) as tmp:
-            _training_api().CheckpointState.save_checkpoint(
-                self.state, str(tmp), include_optimizer_state=True
-            )
+            api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
 
     def weights(self) -> dict[str, np.ndarray]:
         """Copies of every parameter's current value, by name."""
@@ -186,7 +178,6 @@ class GradientSession:
     """
 
     def __init__(self, directory: str | os.PathLike, threads: int | None):
-        api = _training_api()
         d = Path(directory)
         self.state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
         self.module = api.Module(

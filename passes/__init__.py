@@ -15,8 +15,9 @@ Per-op knowledge is looked up in :data:`etgraph.ops.OP_RULES` (by op type) and n
 
 from __future__ import annotations
 
-from onnx_ir.passes import PassBase, PassManager
+from onnx_ir.passes import PassManager
 
+from .base import describe_pipeline
 from .batch_norm import BatchNormPass
 from .conv_dense import ConvDensePass
 from .linearize import LinearizePass
@@ -39,18 +40,3 @@ def tensor_graph_pipeline() -> PassManager:
     return PassManager(
         [LinearizePass(), ConvDensePass(), BatchNormPass(), NonTrainablePass()], steps=1
     )
-
-
-def describe_pipeline(pipeline: PassBase, indent: str = "") -> list[str]:
-    """One line per pass of ``pipeline`` (nested managers indented): the pass's class name and
-    the first line of its docstring. For ``etgraph inspect --passes``."""
-    lines = []
-    for i, p in enumerate(getattr(pipeline, "passes", (pipeline,)), 1):
-        if isinstance(p, PassManager):
-            lines.append(f"{indent}{i}. {type(p).__name__}")
-            lines.extend(describe_pipeline(p, indent + "   "))
-            continue
-        doc = (type(p).__doc__ or "").strip().splitlines()
-        summary = f": {doc[0].replace('``', '')}" if doc else ""
-        lines.append(f"{indent}{i}. {type(p).__name__}{summary}")
-    return lines

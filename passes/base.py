@@ -33,6 +33,7 @@ import networkx as nx
 from onnx_ir.passes import (
     InPlacePass,
     PassBase,
+    PassManager,
     PassResult,
     PostconditionError,
     PreconditionError,
@@ -46,6 +47,7 @@ __all__ = [
     "ChargeDecision",
     "ChargingPass",
     "TensorGraphPass",
+    "describe_pipeline",
     "run_passes",
     "user_error_in",
 ]
@@ -187,3 +189,19 @@ class ChargingPass(TensorGraphPass, Generic[C]):
         problems = charge_problems(graph)
         if problems:
             raise PostconditionError(f"pass {self.name}: malformed charges: {'; '.join(problems)}")
+
+
+def describe_pipeline(pipeline: PassBase, indent: str = "") -> list[str]:
+    """One line per pass of ``pipeline`` in order, nested managers indented: ``"<i>. <class
+    name>: <first paragraph of its docstring on one line>"``. For ``etgraph inspect --passes``
+    and the README."""
+    lines = []
+    for i, p in enumerate(getattr(pipeline, "passes", (pipeline,)), 1):
+        if isinstance(p, PassManager):
+            lines.append(f"{indent}{i}. {type(p).__name__}")
+            lines.extend(describe_pipeline(p, indent + "   "))
+            continue
+        doc = (type(p).__doc__ or "").strip().split("\n\n")[0]
+        summary = " ".join(doc.split()).replace("``", "`")  # reST literals -> plain backticks
+        lines.append(f"{indent}{i}. {type(p).__name__}" + (f": {summary}" if summary else ""))
+    return lines

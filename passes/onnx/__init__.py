@@ -1,7 +1,8 @@
 """ONNX-level legalisation: passes over an ``onnx_ir.Model`` that make a user's model trainable
 by onnxruntime-training 1.19.2 (README: "Your own model").
 
-:func:`legalization_pipeline` lists them in order (print it with :func:`describe_pipeline`):
+:func:`legalization_pipeline` lists them in order (print it with
+:func:`passes.base.describe_pipeline`):
 
 1. :class:`ConvertOpsetPass` — default-domain opset > 21 converted to 21;
 2. :class:`LowerIrVersionPass` — IR version <= 10;
@@ -21,7 +22,7 @@ UnsupportedOpError) are raised from ``call`` and reach the caller as themselves 
 
 from __future__ import annotations
 
-from onnx_ir.passes import PassBase, PassManager
+from onnx_ir.passes import PassManager
 
 from .eval_model import TrimEvalBatchNormPass
 from .io_names import INPUT_NAME, OUTPUT_NAME, NameInputOutputPass
@@ -45,7 +46,6 @@ __all__ = [
     "RefuseNoGradOpsPass",
     "RewriteHardActivationsPass",
     "TrimEvalBatchNormPass",
-    "describe_pipeline",
     "eval_model_pipeline",
     "legalization_pipeline",
 ]
@@ -75,16 +75,3 @@ def legalization_pipeline(source: str = "model") -> PassManager:
 def eval_model_pipeline() -> PassManager:
     """The passes applied to ``eval_model.onnx`` after ``generate_artifacts``."""
     return PassManager([TrimEvalBatchNormPass()], steps=1)
-
-
-def describe_pipeline(pipeline: PassManager | None = None) -> list[tuple[str, str]]:
-    """``(pass name, one-line summary)`` for each pass of ``pipeline`` in order (default:
-    :func:`legalization_pipeline`), for ``etgraph inspect --passes``. The summary is the first
-    paragraph of the pass's docstring on one line."""
-    pipeline = legalization_pipeline() if pipeline is None else pipeline
-    return [(type(p).__name__, _summary(p)) for p in pipeline.passes]
-
-
-def _summary(pass_: PassBase) -> str:
-    doc = (type(pass_).__doc__ or "").strip()
-    return " ".join(doc.split("\n\n")[0].split()).replace("``", "`")  # reST literals -> plain

@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnx import version_converter
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
-from etgraph.errors import ModelError
+from etgraph.errors import ModelError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,10 @@ class ConvertOpsetPass(InPlacePass):
         try:
             converted = version_converter.convert_version(ir.to_proto(model), self.max_opset)
         except Exception as exc:  # onnx raises RuntimeError, ConvertError, InferenceError
-            text = str(exc).strip()
-            first = text.splitlines()[0] if text else type(exc).__name__
             raise ModelError(
                 f"{self.source}: opset {opset} is newer than onnxruntime-training 1.19.2 "
-                f"supports ({self.max_opset}) and conversion failed ({first}); re-export with "
-                "opset <= 17"
+                f"supports ({self.max_opset}) and conversion failed ({first_line(exc)}); "
+                "re-export with opset <= 17"
             ) from exc
         # in place, as onnxscript's ConvertVersionPass does: the model takes the new graph
         model.graph = ir.from_proto(converted).graph
