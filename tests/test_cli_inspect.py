@@ -53,14 +53,22 @@ def test_inspect_errors_are_one_line(tmp_path):
 def test_inspect_passes_prints_the_pipeline():
     proc = run_cli("inspect", "--passes")
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "tensor-graph passes (passes/):"
-    assert [line.split(":")[0].strip() for line in lines[1:5]] == [
+    titles = [line for line in proc.stdout.splitlines() if not line.startswith(" ")]
+    assert [title.split(" (")[0] for title in titles] == [
+        "ONNX legalisation",
+        "tensor-graph passes",
+        "eval-model fix-ups",
+    ]
+    sections = proc.stdout.split(titles[1])
+    passes = [line.split(":")[0].strip() for line in sections[1].splitlines()[1:5]]
+    assert passes == [
         "1. LinearizePass",
         "2. ConvDensePass",
         "3. BatchNormPass",
         "4. NonTrainablePass",
     ]
+    assert "8. RefuseNoGradOpsPass: " in sections[0]
+    assert "1. TrimEvalBatchNormPass: " in sections[1]
 
 
 def test_inspect_without_target_is_a_usage_error():
