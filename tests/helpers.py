@@ -3,6 +3,8 @@ one-line user-error check, and small ONNX models built with ``onnx.helper``."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -26,6 +28,34 @@ def run_cli(
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def run_cli_in_process(
+    *args: str | os.PathLike, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``etgraph.cli.main(ARGS)`` in this process, returned as :func:`run_cli` returns it (exit
+    code, stdout, stderr), without a new interpreter's ~2 s of imports. It sees what Python
+    writes; native output of ORT on file descriptor 2 and native crashes need :func:`run_cli`.
+    ``env`` entries are set for the call and restored after it."""
+    from etgraph.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(["etgraph", *argv], code, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(done: subprocess.CompletedProcess, *fragments: str, code: int = 1) -> str:
