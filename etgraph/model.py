@@ -161,8 +161,12 @@ def trainable_tensors(model: onnx.ModelProto) -> list[TensorInfo]:
         node = graph.node[pos]
         rule = op_rule(node.op_type)
         kind, layer = rule.weight_slots.get(slot, "embedding"), node
+        # Not slot-based, so not in the registry: a MatMul (or Gemm A/B) operand is the kernel
+        # on whichever side it sits (x @ W and W @ x both occur in exports).
         if node.op_type == "MatMul" or (node.op_type == "Gemm" and slot in (0, 1)):
             kind = "kernel"
+        # An initializer added to a conv/dense layer's output is that layer's bias (torch
+        # exports nn.Linear on 3-D inputs as MatMul + Add): found by the producer, not a slot.
         if kind == "embedding" and node.op_type == "Add":
             other = [v for i, v in enumerate(node.input) if i != slot]
             src = producer.get(other[0]) if len(other) == 1 else None

@@ -5,10 +5,11 @@ Export settings (README: "Your own model"): TorchScript exporter (``dynamo=False
 tensors disappear), ``do_constant_folding=False``, opset 17, one input ``input``
 (``float32 [B, C, H, W]``, dynamic batch axis) and one output ``logits`` (``float32 [B, K]``).
 
-After export the graph is legalised for ORT 1.19.2's gradient builder:
-LayerNormalization nodes get their optional ``Mean`` and ``InvStdDev`` outputs and Dropout nodes
-their ``mask`` output (without them ``GradientBuilderBase::O`` fails; ORT issues #22465,
-#22955), and the IR version is checked to be <= 10 (what ORT 1.19 loads).
+After export the graph is legalised for ORT 1.19.2's gradient builder by etgraph's own pass
+(:class:`passes.onnx.AddOptionalOutputsPass`): LayerNormalization nodes get their optional
+``Mean`` and ``InvStdDev`` outputs and Dropout nodes their ``mask`` output (without them
+``GradientBuilderBase::O`` fails; ORT issues #22465, #22955), and the IR version is checked to
+be <= 10 (what ORT 1.19 loads).
 
 CLI::
 
@@ -19,56 +20,23 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import click
 import onnx
+import onnx_ir as ir
 import torch
 
+from etgraph.files import atomic_target
 from models import zoo
+from passes.base import run_passes
+from passes.onnx import AddOptionalOutputsPass
 
 log = logging.getLogger(__name__)
 
 #: Highest IR version onnxruntime(-training) 1.19 loads.
 MAX_IR_VERSION = 10
-
-
-def legalize_for_training(model: onnx.ModelProto) -> int:
-    """Give LayerNormalization and Dropout nodes their optional outputs, in place.
-
-    ORT 1.19.2's gradient builders read LayerNormalization outputs 1-2 (Mean, InvStdDev) and
-    Dropout output 1 (mask); a node exported without them makes ``generate_artifacts`` fail.
-
-    Args:
-        model: ONNX model, modified in place.
-
-    Returns:
-        The number of nodes changed.
-    """
-    taken = {o for n in model.graph.node for o in n.output}
-    changed = 0
-
-    def fresh(base: str) -> str:
-        name, i = base, 0
-        while name in taken:
-            i += 1
-            name = f"{base}_{i}"
-        taken.add(name)
-        return name
-
-    for idx, node in enumerate(model.graph.node):
-        stem = node.name or f"{node.op_type}_{idx}"
-        if node.op_type == "LayerNormalization" and len(node.output) < 3:
-            while len(node.output) < 3:
-                suffix = "mean" if len(node.output) == 1 else "inv_std_dev"
-                node.output.append(fresh(f"{stem}_{suffix}"))
-            changed += 1
-        elif node.op_type == "Dropout" and len(node.output) < 2:
-            node.output.append(fresh(f"{stem}_mask"))
-            changed += 1
-    return changed
 
 
 def export_onnx(
@@ -115,10 +83,7 @@ def export_onnx(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dummy = torch.zeros(2, c, h, w)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_target(path) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript exporter deprecation notices
             torch.onnx.export(
@@ -134,8 +99,8 @@ def export_onnx(
                 dynamo=False,
                 external_data=False,
             )
-        model = onnx.load(str(tmp))
-        n = legalize_for_training(model)
+        result = run_passes(AddOptionalOutputsPass(), ir.from_proto(onnx.load(str(tmp))))
+        model = ir.to_proto(result.model)
         if model.ir_version > MAX_IR_VERSION:
             raise RuntimeError(
                 f"exported IR version {model.ir_version} > {MAX_IR_VERSION}: "
@@ -144,11 +109,8 @@ def export_onnx(
         onnx.checker.check_model(model)
         onnx.save(model, str(tmp))
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    log.info("exported %s to %s (%d nodes legalised)", name_or_module.__class__.__name__
-             if not isinstance(name_or_module, str) else name_or_module, path, n)  # fmt: skip
+    what = name_or_module if isinstance(name_or_module, str) else type(name_or_module).__name__
+    log.info("exported %s to %s (optional outputs added: %s)", what, path, result.modified)
     return path
 
 
