@@ -53,3 +53,17 @@ class ProfileMismatchError(EtgraphError):
 
 class CheckpointError(EtgraphError):
     """A checkpoint or run directory is missing, corrupt, or from another run."""
+
+
+class TrainingDivergedError(EtgraphError):
+    """The training loss became NaN or infinite (the learning rate is too high for this model).
+
+    Attributes:
+        epoch: 1-based epoch of the first non-finite loss.
+        step: 1-based step within that epoch.
+    """
+
+    def __init__(self, message: str, epoch: int, step: int):
+        super().__init__(message)
+        self.epoch = epoch
+        self.step = step

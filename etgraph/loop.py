@@ -59,7 +59,7 @@ from tqdm import tqdm
 from .artifacts import ArtifactCache
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .data import load_dataset
-from .errors import ConfigError, DataError, ProfileMismatchError
+from .errors import ConfigError, DataError, ProfileMismatchError, TrainingDivergedError
 from .host import peak_rss_mb, release_native_memory, reset_peak_rss
 from .importance import ImportanceEvaluator
 from .model import LoadedModel
@@ -419,6 +419,9 @@ class _Run:
             ts = time.perf_counter()
             loss, right = session.train_step(x, y, lr)
             step_times.append(time.perf_counter() - ts)
+            if not math.isfinite(loss):
+                bar.close()
+                self._diverged(epoch, period, len(step_times), loss, lr)
             global_step += 1
             losses.append(loss)
             correct, seen = correct + right, seen + y.shape[0]
@@ -464,6 +467,20 @@ class _Run:
                 f"{epoch_s:.1f}s  {int(mask.sum())}/{mask.size} tensors"
             )
         return record
+
+    def _diverged(self, epoch: int, period: int, step: int, loss: float, lr: float) -> None:
+        """Stop the run at the first non-finite loss (epoch 0-based, step 1-based): one line that
+        names where and suggests a lower learning rate; the last checkpoint is left as it is."""
+        message = (
+            f"training diverged: the loss is {loss} at epoch {epoch + 1}, step {step} "
+            f"(learning rate {lr:.3g}): start a new run with a lower --lr"
+        )
+        if (self.out / CHECKPOINT_FILE).exists():
+            message += (
+                f"; the last good checkpoint, after epoch {period * self.config.period}, is kept "
+                f"in {self.out / CHECKPOINT_FILE}"
+            )
+        raise TrainingDivergedError(message, epoch + 1, step)
 
     def _save_checkpoint(self, session: TrainingSession, epoch: int, mask: np.ndarray) -> None:
         """Checkpoint after ``epoch`` (a period end): weights, moments, step and run state."""
@@ -543,6 +560,8 @@ def train(
         ProfileMismatchError: the profile is of another model or batch size.
         InfeasibleBudgetError: ``rho`` is too small for any selection (gives the smallest rho).
         DataError, ModelError: the data or model cannot be used.
+        TrainingDivergedError: a training loss was NaN or infinite (the run stops at that step;
+            the last period's checkpoint stays in ``out_dir``).
     """
     out = Path(out_dir)
     config = config.validate()
@@ -580,6 +599,7 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
             configuration or model.
         ModelError, ProfileMismatchError, DataError: the model, profile or data recorded for the
             run can no longer be used.
+        TrainingDivergedError: as :func:`train`.
     """
     out = Path(out_dir)
     model_path, config, artifacts_root = read_run_file(out, TrainConfig.from_json)

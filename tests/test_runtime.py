@@ -18,7 +18,12 @@ import pytest
 from etgraph import rundir
 from etgraph.artifacts import ArtifactCache
 from etgraph.checkpoint import CarriedState, read_checkpoint, write_checkpoint
-from etgraph.errors import CheckpointError, ConfigError, InfeasibleBudgetError
+from etgraph.errors import (
+    CheckpointError,
+    ConfigError,
+    InfeasibleBudgetError,
+    TrainingDivergedError,
+)
 from etgraph.loop import TrainConfig, cosine_learning_rate, resume, train
 from etgraph.model import LoadedModel
 from etgraph.rundir import RUN_PROPERTY
@@ -426,3 +431,45 @@ def test_resume_errors(tmp_path, default_profile, default_model, rho):
     (out / "checkpoint").write_bytes((out / "checkpoint").read_bytes()[:200])
     with pytest.raises(CheckpointError, match="is corrupt"):
         resume(out, progress=False)
+
+
+@pytest.mark.slow
+def test_divergence_stops_at_the_first_non_finite_loss(tmp_path, default_profile, default_model):
+    """--lr 1e4 (issue #14): the run stops at the first NaN/inf loss with one line that names
+    epoch and step and suggests a lower --lr (here in the first epoch: no checkpoint yet)."""
+    prof, _ = default_profile
+    config = TrainConfig(epochs=4, period=1, rho=1.0, learning_rate=1e4, **QUICK)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingDivergedError, match=r"^training diverged: the loss is") as info:
+        train(default_model, prof, config, out, progress=False)
+    err = info.value
+    assert f"at epoch {err.epoch}, step {err.step} " in str(err) and "lower --lr" in str(err)
+    assert [r["epoch"] for r in rundir.read_log(out)] == list(range(1, err.epoch))
+
+
+@pytest.mark.slow
+def test_divergence_keeps_the_last_good_checkpoint(
+    tmp_path, default_profile, default_model, monkeypatch
+):
+    """A loss that turns NaN at step 3 of epoch 2: epoch 1's checkpoint and log stay, and the
+    message says where they are."""
+    real_step = TrainingSession.train_step
+    calls = []
+
+    def step(self, x, y, learning_rate):
+        calls.append(1)
+        loss, right = real_step(self, x, y, learning_rate)
+        diverged = len(calls) == QUICK["max_steps_per_epoch"] + 3  # epoch 2, step 3
+        return (float("nan") if diverged else loss), right
+
+    monkeypatch.setattr(TrainingSession, "train_step", step)
+    out = tmp_path / "run"
+    config = TrainConfig(epochs=3, period=1, rho=1.0, **QUICK)
+    with pytest.raises(TrainingDivergedError, match="at epoch 2, step 3 ") as info:
+        train(default_model, default_profile[0], config, out, progress=False)
+    assert f"the last good checkpoint, after epoch 1, is kept in {out / 'checkpoint'}" in str(
+        info.value
+    )
+    assert [r["epoch"] for r in rundir.read_log(out)] == [1]
+    state, _, _ = read_checkpoint(out / "checkpoint")  # epoch 1's state, complete
+    assert set(default_model.names) <= set(state.weights)
