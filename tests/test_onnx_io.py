@@ -27,6 +27,7 @@ from passes.onnx import (
     ConvertOpsetPass,
     ExpandSumPass,
     LowerIrVersionPass,
+    MaterializeWeightsPass,
     NameInputOutputPass,
     NameNodesPass,
     RefuseNoGradOpsPass,
@@ -522,7 +523,10 @@ def test_pipeline_order_can_be_printed():
     assert [line.split(":")[0].split(". ")[1] for line in described] == [
         "ConvertOpsetPass",
         "LowerIrVersionPass",
+        "RemoveInitializersFromInputsPass",
+        "MaterializeWeightsPass",
         "NameInputOutputPass",
+        "FreeBatchDimPass",
         "NameNodesPass",
         "AddOptionalOutputsPass",
         "RewriteHardActivationsPass",
@@ -580,3 +584,73 @@ def test_legalisation_is_idempotent_and_ort_loads_it(fixture, request, tmp_path)
     got = ort_run(legal, x)
     if "Dropout" not in {n.op_type for n in legal.graph.node}:  # else random in training mode
         np.testing.assert_allclose(got, ort_run(onnx.load(str(path)), x), rtol=1e-5, atol=1e-5)
+
+
+# ---- models from elsewhere: old opsets, IR < 4, weights held in nodes (issue #14) ----------
+
+
+def zoo_style_model() -> onnx.ModelProto:
+    """An opset-9, IR-3 classifier as the Caffe2-era zoo ships them: initializers also listed
+    as graph inputs, the conv kernel produced by ConstantOfShape from a shape initializer, the
+    dense kernel held in a Constant node, a float scalar and an int64 shape left as they are."""
+    rng = np.random.default_rng(3)
+    fw = rng.standard_normal((4, 6)).astype(np.float32)
+    nodes = [
+        helper.make_node("ConstantOfShape", ["w_shape"], ["w"], name="w_fill",
+                         value=numpy_helper.from_array(np.array([0.05], np.float32))),
+        helper.make_node("Constant", [], ["fw"], name="fw_const",
+                         value=numpy_helper.from_array(fw)),
+        helper.make_node("Constant", [], ["half"], name="half",
+                         value=numpy_helper.from_array(np.array(0.5, np.float32))),
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c", "half"], ["h"], name="scale"),
+        helper.make_node("GlobalAveragePool", ["h"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
+    ]  # fmt: skip
+    inits = [
+        numpy_helper.from_array(np.array([6, 3, 3, 3], np.int64), "w_shape"),
+        random_initializer("b", (6,), scale=1.0),
+        random_initializer("fb", (4,), seed=1, scale=1.0),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])] + [
+        helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in inits
+    ]
+    model = make_model(nodes, inits, inputs=inputs)
+    model.opset_import[0].version = 9
+    model.ir_version = 3
+    return model
+
+
+def test_zoo_style_model_is_upgraded_and_its_weights_found(tmp_path):
+    original = zoo_style_model()
+    legal = load_model(save_model(original, tmp_path))
+    assert legal.opset_import[0].version == 17 and 8 <= legal.ir_version <= 10
+    assert [i.name for i in legal.graph.input] == ["input"]  # initializers are inputs no more
+    inits = {i.name for i in legal.graph.initializer}
+    assert {"w", "fw", "b"} <= inits and "w_shape" not in inits  # the shape's only use is gone
+    ops = [n.op_type for n in legal.graph.node]
+    assert "ConstantOfShape" not in ops and ops.count("Constant") == 1  # the scalar stays
+    tensors = LoadedModel.from_proto(legal, source="zoo").tensors
+    assert [(t.name, t.kind) for t in tensors] == [
+        ("w", "kernel"),
+        ("b", "bias"),
+        ("fw", "kernel"),
+        ("fb", "bias"),
+    ]
+    # exported at batch 1, it now runs at any batch: two samples at once give what each gives
+    assert legal.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    x1, x2 = sample(seed=1), sample(seed=2)
+    both = ort_run(legal, np.concatenate([x1, x2]))
+    np.testing.assert_allclose(both[:1], ort_run(original, x1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(both[1:], ort_run(original, x2), rtol=1e-5, atol=1e-6)
+
+
+def test_materialize_weights_pass_alone():
+    model = ir.from_proto(zoo_style_model())
+    result = MaterializeWeightsPass()(model)
+    assert result.modified
+    assert sorted(n.op_type for n in result.model.graph if n.op_type.startswith("Constant")) == [
+        "Constant"
+    ]
+    assert not MaterializeWeightsPass()(result.model).modified  # nothing left to lift

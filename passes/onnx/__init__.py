@@ -4,14 +4,19 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 :func:`legalization_pipeline` lists them in order (print it with
 :func:`passes.base.describe_pipeline`):
 
-1. :class:`ConvertOpsetPass` — default-domain opset > 21 converted to 21;
+1. :class:`ConvertOpsetPass` — default-domain opset > 21 converted to 21, < 12 to 17;
 2. :class:`LowerIrVersionPass` — IR version <= 10;
-3. :class:`NameInputOutputPass` — one data input ``input``, one output ``logits``;
-4. :class:`NameNodesPass` — every node a unique non-empty name;
-5. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
-6. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
-7. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-8. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+3. onnx_ir's ``RemoveInitializersFromInputsPass`` — initializers listed as graph inputs (IR < 4
+   exports) are initializers only;
+4. :class:`MaterializeWeightsPass` — float weights held in Constant/ConstantOfShape nodes become
+   initializers;
+5. :class:`NameInputOutputPass` — one data input ``input``, one output ``logits``;
+6. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
+7. :class:`NameNodesPass` — every node a unique non-empty name;
+8. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
+9. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
+10. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+11. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`).
 
@@ -23,7 +28,9 @@ UnsupportedOpError) are raised from ``call`` and reach the caller as themselves 
 from __future__ import annotations
 
 from onnx_ir.passes import PassManager
+from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
+from .batch_dim import FreeBatchDimPass
 from .eval_model import TrimEvalBatchNormPass
 from .io_names import INPUT_NAME, OUTPUT_NAME, NameInputOutputPass
 from .node_names import NameNodesPass
@@ -31,6 +38,7 @@ from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
 from .rewrite_no_grad_ops import ExpandSumPass, RewriteHardActivationsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
+from .weights import MaterializeWeightsPass
 
 __all__ = [
     "INPUT_NAME",
@@ -40,7 +48,9 @@ __all__ = [
     "AddOptionalOutputsPass",
     "ConvertOpsetPass",
     "ExpandSumPass",
+    "FreeBatchDimPass",
     "LowerIrVersionPass",
+    "MaterializeWeightsPass",
     "NameInputOutputPass",
     "NameNodesPass",
     "RefuseNoGradOpsPass",
@@ -61,7 +71,10 @@ def legalization_pipeline(source: str = "model") -> PassManager:
         [
             ConvertOpsetPass(source),
             LowerIrVersionPass(source),
+            RemoveInitializersFromInputsPass(),
+            MaterializeWeightsPass(),
             NameInputOutputPass(source),
+            FreeBatchDimPass(),
             NameNodesPass(),
             AddOptionalOutputsPass(),
             RewriteHardActivationsPass(source),

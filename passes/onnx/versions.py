@@ -1,7 +1,9 @@
 """IR version and opset: what onnxruntime-training 1.19.2 reads (IR <= 10, opset <= 21).
 
-Two passes: :class:`ConvertOpsetPass` (onnx's version converter, for models exported with a
-newer default-domain opset) and :class:`LowerIrVersionPass`. onnx >= 1.18 would write IR 11,
+Two passes: :class:`ConvertOpsetPass` (onnx's version converter: a default-domain opset newer
+than 21 is converted down to 21; one older than 12, where ORT's training loss
+SoftmaxCrossEntropyLoss does not exist yet, up to 17, the opset etgraph's own exports use) and
+:class:`LowerIrVersionPass`. onnx >= 1.18 would write IR 11,
 which ORT 1.19.2 refuses ("Unsupported model IR version"); the opsets of IR 11 (22+) are
 converted down first, so lowering the IR version number is then all that is left to do.
 """
@@ -11,19 +13,31 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
-from onnx import version_converter
+from onnx import helper, version_converter
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from etgraph.errors import ModelError, first_line
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_IR_VERSION", "MAX_OPSET", "ConvertOpsetPass", "LowerIrVersionPass"]
+__all__ = [
+    "MAX_IR_VERSION",
+    "MAX_OPSET",
+    "MIN_OPSET",
+    "UPGRADE_OPSET",
+    "ConvertOpsetPass",
+    "LowerIrVersionPass",
+]
 
 #: Highest IR version onnxruntime(-training) 1.19.2 loads.
 MAX_IR_VERSION = 10
 #: Highest default-domain opset onnxruntime(-training) 1.19.2 implements.
 MAX_OPSET = 21
+#: Oldest default-domain opset trained as it is: SoftmaxCrossEntropyLoss, the loss ORT's
+#: generate_artifacts adds, exists from opset 12 on.
+MIN_OPSET = 12
+#: The opset older models are converted to (what etgraph's torch exports use).
+UPGRADE_OPSET = 17
 
 
 def default_opset(model: ir.Model) -> int:
@@ -32,39 +46,53 @@ def default_opset(model: ir.Model) -> int:
 
 
 class ConvertOpsetPass(InPlacePass):
-    """Convert a default-domain opset above 21 down to 21 (onnx's version converter).
+    """Convert a default-domain opset above 21 down to 21, or below 12 up to 17 (onnx's version
+    converter; the IR version is raised to what the new opset needs).
 
     Raises (from ``call``):
         ModelError: the converter fails (an op it cannot convert, an opset it does not know);
             the message names ``source``, the opset and the converter's first line.
     """
 
-    def __init__(self, source: str = "model", max_opset: int = MAX_OPSET):
+    def __init__(
+        self,
+        source: str = "model",
+        max_opset: int = MAX_OPSET,
+        min_opset: int = MIN_OPSET,
+        upgrade_opset: int = UPGRADE_OPSET,
+    ):
         super().__init__()
         self.source = source
         self.max_opset = max_opset
+        self.min_opset = min_opset
+        self.upgrade_opset = upgrade_opset
 
     def call(self, model: ir.Model) -> PassResult:
         opset = default_opset(model)
-        if opset <= self.max_opset:
+        if self.min_opset <= opset <= self.max_opset or opset == 0:
             return PassResult(model, modified=False)
+        target = self.max_opset if opset > self.max_opset else self.upgrade_opset
         try:
-            converted = version_converter.convert_version(ir.to_proto(model), self.max_opset)
+            converted = version_converter.convert_version(ir.to_proto(model), target)
         except Exception as exc:  # onnx raises RuntimeError, ConvertError, InferenceError
+            newer = opset > self.max_opset
             raise ModelError(
-                f"{self.source}: opset {opset} is newer than onnxruntime-training 1.19.2 "
-                f"supports ({self.max_opset}) and conversion failed ({first_line(exc)}); "
-                "re-export with opset <= 17"
+                f"{self.source}: opset {opset} is {'newer' if newer else 'older'} than "
+                f"onnxruntime-training 1.19.2 trains ({self.min_opset}-{self.max_opset}) and "
+                f"conversion to {target} failed ({first_line(exc)}); re-export with opset 17"
             ) from exc
         # in place, as onnxscript's ConvertVersionPass does: the model takes the new graph
         model.graph = ir.from_proto(converted).graph
-        log.info("%s: converted opset %d to %d", self.source, opset, self.max_opset)
+        needed = helper.find_min_ir_version_for([helper.make_opsetid("", target)])
+        model.ir_version = max(model.ir_version, needed)
+        log.info("%s: converted opset %d to %d", self.source, opset, target)
         return PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
-        if default_opset(model) > self.max_opset:
+        opset = default_opset(model)
+        if opset and not self.min_opset <= opset <= self.max_opset:
             raise PostconditionError(
-                f"default opset {default_opset(model)} is still above {self.max_opset}"
+                f"default opset {opset} is outside {self.min_opset}-{self.max_opset}"
             )
 
 
