@@ -63,6 +63,7 @@ from .errors import ConfigError, DataError, ProfileMismatchError, TrainingDiverg
 from .host import peak_rss_mb, release_native_memory, reset_peak_rss
 from .importance import ImportanceEvaluator
 from .model import LoadedModel
+from .onnx_io import restore_head
 from .plots import plot_run
 from .profile import Profile
 from .rundir import (
@@ -500,6 +501,8 @@ class _Run:
             session = self._session_from_checkpoint()
         trained = self.out / TRAINED_MODEL_FILE
         session.export_inference_model(trained, [self.model.output_name])
+        if self.model.head is not None:  # the original model's output meaning, restored
+            restore_head(trained, self.model.head)
         _, inference_acc = evaluate_onnx(trained, self.val_batches(), cfg.batch_size)
         with contextlib.suppress(Exception):
             plot_run(self.out)

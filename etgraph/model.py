@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from passes.onnx import HEAD_KEY
+
 from . import onnx_io
 from .errors import ConfigError, ModelError
 from .ops import FLOAT_TYPES, data_path_values, op_rule
@@ -283,8 +285,20 @@ def input_shape(
 
 
 def num_classes(model: onnx.ModelProto) -> int | None:
-    """K of the model's output ``[B, K]``, or None when it is not static."""
-    dims = model.graph.output[0].type.tensor_type.shape.dim
+    """K of the model's output ``[B, K]``, or None when it is not static.
+
+    Raises:
+        ModelError: the output has a known rank other than 2 (the loss is cross-entropy over
+            ``[B, K]`` logits).
+    """
+    output = model.graph.output[0]
+    dims = output.type.tensor_type.shape.dim
+    if output.type.tensor_type.HasField("shape") and len(dims) != 2:
+        shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        raise ModelError(
+            f"output {output.name!r} has shape {shown}; etgraph trains classifiers whose output "
+            "is [B, K] logits: end the model with Flatten (or Reshape to [B, K]) and re-export"
+        )
     if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
         return int(dims[-1].dim_value)
     return None
@@ -320,6 +334,8 @@ class LoadedModel:
         tensors: trainable tensors in forward order (:func:`trainable_tensors`), length N.
         running_stats: BatchNorm running mean/var names (:func:`running_statistics`).
         num_classes: K of the output ``[B, K]``, None when symbolic.
+        head: the Softmax/LogSoftmax head legalisation took off the output (the loss needs
+            logits), e.g. ``"Softmax(axis=1)"``; restored on the exported model. None if none.
     """
 
     source: Path
@@ -328,6 +344,7 @@ class LoadedModel:
     tensors: tuple[TensorInfo, ...]
     running_stats: tuple[str, ...]
     num_classes: int | None
+    head: str | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LoadedModel:
@@ -358,6 +375,7 @@ class LoadedModel:
             tensors=tuple(tensors),
             running_stats=tuple(running_statistics(proto)),
             num_classes=num_classes(proto),
+            head=next((p.value for p in proto.metadata_props if p.key == HEAD_KEY), None),
         )
 
     @property

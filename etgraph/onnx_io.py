@@ -29,11 +29,12 @@ import onnx
 import onnx_ir as ir
 
 from passes.base import run_passes
-from passes.onnx import MAX_IR_VERSION, legalization_pipeline
+from passes.onnx import MAX_IR_VERSION, RestoreSoftmaxHeadPass, legalization_pipeline
 
 from .errors import ModelError, first_line
+from .files import atomic_target
 
-__all__ = ["legalize", "load_model", "model_hash", "model_structure"]
+__all__ = ["legalize", "load_model", "model_hash", "model_structure", "restore_head"]
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -125,3 +126,13 @@ def model_hash(model: onnx.ModelProto) -> str:
     for imp in sorted(model.opset_import, key=lambda i: i.domain):
         h.update(f"{imp.domain}:{imp.version};".encode())
     return h.hexdigest()[:16]
+
+
+def restore_head(path: str | os.PathLike, spec: str) -> None:
+    """Put the Softmax/LogSoftmax head legalisation removed (``spec``, e.g. ``"Softmax(axis=1)"``;
+    :attr:`etgraph.model.LoadedModel.head`) back on the inference model at ``path``, in place
+    and atomically, so it keeps the original model's output meaning."""
+    model = ir.load(path)
+    run_passes(RestoreSoftmaxHeadPass(spec), model)
+    with atomic_target(path) as tmp:
+        ir.save(model, tmp)

@@ -165,6 +165,11 @@ OP_RULES: dict[str, OpRule] = {
     ),
     "Softplus": OpRule(gradient=False, fix="rewrite as log(1 + exp(x))"),
     "Atan": OpRule(gradient=False, fix="remove it from the trained path"),
+    "LRN": OpRule(
+        gradient=False,
+        fix="rewrite it as x / (bias + alpha / size * (sum of x^2 over size channels))^beta "
+        "(Mul, a 1xsize AveragePool or Conv, Pow, Div)",
+    ),
     # ops whose outputs carry no gradient at all
     **{
         op: _NO_GRAD

@@ -203,6 +203,7 @@ def compile_model(
         "budget_us": timing.budget_us(rho, prof.forward_us, prof.t_full_us),
         "predicted_step_us": predicted,
         "importance_source": importance_source,
+        "removed_head": model.head,  # restored on the trained model etgraph train exports
         "resolution": resolution,
         "tensors": rows,
         "frozen_params": frozen,

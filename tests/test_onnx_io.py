@@ -18,7 +18,7 @@ from onnx_ir.passes import PostconditionError, PreconditionError
 
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.model import LoadedModel, input_shape, parse_input_shape
-from etgraph.onnx_io import legalize, load_model, model_hash
+from etgraph.onnx_io import legalize, load_model, model_hash, restore_head
 from passes.base import describe_pipeline, run_passes
 from passes.onnx import (
     MAX_IR_VERSION,
@@ -525,6 +525,7 @@ def test_pipeline_order_can_be_printed():
         "LowerIrVersionPass",
         "RemoveInitializersFromInputsPass",
         "MaterializeWeightsPass",
+        "RemoveSoftmaxHeadPass",
         "NameInputOutputPass",
         "FreeBatchDimPass",
         "NameNodesPass",
@@ -654,3 +655,48 @@ def test_materialize_weights_pass_alone():
         "Constant"
     ]
     assert not MaterializeWeightsPass()(result.model).modified  # nothing left to lift
+
+
+def test_softmax_head_is_removed_for_the_loss_and_restored_on_export(tmp_path):
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["z"], name="fc", transB=1),
+        helper.make_node("Softmax", ["z"], ["prob"], name="softmax", axis=1),
+    ]
+    shapes = {"w": (6, 3, 3, 3), "b": (6,), "fw": (4, 6), "fb": (4,)}
+    inits = [random_initializer(n, s, i) for i, (n, s) in enumerate(shapes.items())]
+    original = make_model(nodes, inits, y="prob")
+    legal = load_model(save_model(original, tmp_path))
+    assert legal.graph.node[-1].op_type == "Gemm" and legal.graph.output[0].name == "logits"
+    assert LoadedModel.from_proto(legal, source="m").head == "Softmax(axis=1)"
+    assert load_model(save_model(legal, tmp_path, "again.onnx")).graph.node[-1].op_type == "Gemm"
+    x = sample()
+    logits = ort_run(legal, x)
+    path = save_model(legal, tmp_path, "exported.onnx")
+    restore_head(path, "Softmax(axis=1)")
+    restored = onnx.load(str(path))
+    assert restored.graph.node[-1].op_type == "Softmax"
+    assert restored.graph.output[0].name == "logits"
+    np.testing.assert_allclose(ort_run(restored, x), ort_run(original, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ort_run(restored, x).sum(axis=1), 1.0, rtol=1e-5)
+    assert not np.allclose(logits.sum(axis=1), 1.0)  # the loss sees logits, not probabilities
+
+
+def test_lrn_is_refused_in_one_line(tmp_path):
+    """LRN (three classic zoo models) has no gradient in ORT 1.19.2: refused by name, not by
+    ORT's C++ gradient-registry message."""
+    lrn = helper.make_node("LRN", ["c"], ["l"], name="lrn", size=3)
+    with pytest.raises(UnsupportedOpError, match=r"node 'lrn' uses op LRN, which has no gradient"):
+        load_model(save_model(conv_head([lrn], "l"), tmp_path))
+
+
+def test_output_that_is_not_b_by_k_is_one_line(tmp_path):
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("GlobalAveragePool", ["c"], ["y"], name="gap"),
+    ]
+    model = make_model(nodes, [random_initializer("w", (4, 3, 3, 3))], out_shape=(1, 4, 1, 1))
+    with pytest.raises(ModelError, match=r"output 'logits' has shape \['batch', 4, 1, 1\]"):
+        LoadedModel.load(save_model(model, tmp_path))

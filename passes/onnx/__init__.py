@@ -10,13 +10,15 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
    exports) are initializers only;
 4. :class:`MaterializeWeightsPass` — float weights held in Constant/ConstantOfShape nodes become
    initializers;
-5. :class:`NameInputOutputPass` — one data input ``input``, one output ``logits``;
-6. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
-7. :class:`NameNodesPass` — every node a unique non-empty name;
-8. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
-9. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
-10. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-11. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+5. :class:`RemoveSoftmaxHeadPass` — a trailing Softmax/LogSoftmax taken off (the loss needs
+   logits), recorded in the metadata and restored on export (:class:`RestoreSoftmaxHeadPass`);
+6. :class:`NameInputOutputPass` — one data input ``input``, one output ``logits``;
+7. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
+8. :class:`NameNodesPass` — every node a unique non-empty name;
+9. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
+10. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
+11. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+12. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`).
 
@@ -37,6 +39,7 @@ from .node_names import NameNodesPass
 from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
 from .rewrite_no_grad_ops import ExpandSumPass, RewriteHardActivationsPass
+from .softmax_head import HEAD_KEY, RemoveSoftmaxHeadPass, RestoreSoftmaxHeadPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
 from .weights import MaterializeWeightsPass
 
@@ -47,6 +50,7 @@ __all__ = [
     "OUTPUT_NAME",
     "AddOptionalOutputsPass",
     "ConvertOpsetPass",
+    "HEAD_KEY",
     "ExpandSumPass",
     "FreeBatchDimPass",
     "LowerIrVersionPass",
@@ -54,6 +58,8 @@ __all__ = [
     "NameInputOutputPass",
     "NameNodesPass",
     "RefuseNoGradOpsPass",
+    "RemoveSoftmaxHeadPass",
+    "RestoreSoftmaxHeadPass",
     "RewriteHardActivationsPass",
     "TrimEvalBatchNormPass",
     "eval_model_pipeline",
@@ -73,6 +79,7 @@ def legalization_pipeline(source: str = "model") -> PassManager:
             LowerIrVersionPass(source),
             RemoveInitializersFromInputsPass(),
             MaterializeWeightsPass(),
+            RemoveSoftmaxHeadPass(),
             NameInputOutputPass(source),
             FreeBatchDimPass(),
             NameNodesPass(),

@@ -3,13 +3,16 @@ model trains at any ``--batch-size`` (issue #14).
 
 The shapes recorded for intermediate values carry the old batch size and would contradict
 shape inference at another one (ORT: "Inferred shape and existing shape differ in dimension 0"),
-so they are dropped with it; ORT infers them again.
+so they are dropped with it; ORT infers them again. Reshapes on the data path whose constant
+target shape starts with the old batch size (Caffe2-era zoo models flatten to ``[1, 2048]``)
+get ``0`` there instead: ONNX's "copy this dimension from the input".
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
@@ -37,14 +40,21 @@ class FreeBatchDimPass(InPlacePass):
         fixed = [v for v in (*data_inputs(graph), *graph.outputs) if _fixed_batch(v)]
         if not fixed:
             return PassResult(model, modified=False)
+        batch = fixed[0].shape[0]
         for value in fixed:
             value.shape = ir.Shape([BATCH_DIM, *list(value.shape)[1:]])
+        reshapes = _free_reshapes(graph, batch)
         outputs = {id(v) for v in graph.outputs}
         for node in graph:
             for value in node.outputs:
                 if id(value) not in outputs:
                     value.shape = None
-        log.info("fixed batch dimension of %s made symbolic", [v.name for v in fixed])
+        log.info(
+            "fixed batch dimension %d of %s made symbolic (%d reshapes)",
+            batch,
+            [v.name for v in fixed],
+            reshapes,
+        )
         return PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
@@ -52,3 +62,36 @@ class FreeBatchDimPass(InPlacePass):
         fixed = [v.name for v in (*data_inputs(graph), *graph.outputs) if _fixed_batch(v)]
         if fixed:
             raise PostconditionError(f"batch dimension still fixed on {fixed}")
+
+
+def _data_path(graph: ir.Graph) -> set[int]:
+    """ids of the values computed from the data input (node order is topological)."""
+    reached = {id(v) for v in data_inputs(graph)}
+    for node in graph:
+        if any(v is not None and id(v) in reached for v in node.inputs):
+            reached.update(id(v) for v in node.outputs)
+    return reached
+
+
+def _free_reshapes(graph: ir.Graph, batch: int) -> int:
+    """Give data-path Reshapes whose constant shape starts with ``batch`` a leading 0 (copy the
+    input's batch); a shape constant used anywhere else is left alone. Returns the count."""
+    data = _data_path(graph)
+    count = 0
+    for node in graph:
+        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        data_in, shape_in = node.inputs[0], node.inputs[1]
+        if data_in is None or id(data_in) not in data or shape_in is None:
+            continue
+        const = shape_in.const_value
+        if const is None or not shape_in.is_initializer() or len(shape_in.uses()) != 1:
+            continue
+        target = const.numpy().astype(np.int64).reshape(-1)
+        if target.size == 0 or target[0] != batch:
+            continue
+        target = target.copy()
+        target[0] = 0
+        shape_in.const_value = ir.tensor(target, name=shape_in.name)
+        count += 1
+    return count
