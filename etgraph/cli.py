@@ -151,6 +151,11 @@ def inspect_command(
             f"{cov['charged']} charged (dw {cov['dw']}, dy {cov['dy']}, split {cov['split']}, "
             f"forward {cov['forward']}, loss {cov['loss']})"
         )
+    if tensor_graph.graph.get("removed_head"):
+        click.echo(
+            f"the model's trailing {tensor_graph.graph['removed_head']} was taken off for the "
+            "loss (the loss needs logits); `etgraph train` restores it on the exported model"
+        )
     tpath = Path(target)
     if out_dir is None:
         out_dir = tpath if tpath.is_dir() else tpath.with_name(f"{tpath.stem}_graph")

@@ -160,6 +160,7 @@ def build_tensor_graph(
         num_ops=len(training.graph.node),
         input_name=INPUT_NAME,
         output_name=OUTPUT_NAME,
+        removed_head=model_spec.removed_head(model),
     )
     for t in tensors:
         graph.add_node(

@@ -37,6 +37,7 @@ __all__ = [
     "input_shape",
     "num_classes",
     "parse_input_shape",
+    "removed_head",
     "running_statistics",
     "trainable_tensors",
     "with_batch",
@@ -284,6 +285,12 @@ def input_shape(
     return tuple(static[1:])  # type: ignore[return-value]
 
 
+def removed_head(model: onnx.ModelProto) -> str | None:
+    """The Softmax/LogSoftmax head legalisation took off the output (``"Softmax(axis=1)"``,
+    recorded in the model's metadata by :class:`passes.onnx.RemoveSoftmaxHeadPass`), or None."""
+    return next((p.value for p in model.metadata_props if p.key == HEAD_KEY), None)
+
+
 def num_classes(model: onnx.ModelProto) -> int | None:
     """K of the model's output ``[B, K]``, or None when it is not static.
 
@@ -375,7 +382,7 @@ class LoadedModel:
             tensors=tuple(tensors),
             running_stats=tuple(running_statistics(proto)),
             num_classes=num_classes(proto),
-            head=next((p.value for p in proto.metadata_props if p.key == HEAD_KEY), None),
+            head=removed_head(proto),
         )
 
     @property

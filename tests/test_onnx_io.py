@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes import PostconditionError, PreconditionError
 
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
+from etgraph.graph import build_tensor_graph
 from etgraph.model import LoadedModel, input_shape, parse_input_shape
 from etgraph.onnx_io import legalize, load_model, model_hash, restore_head
 from passes.base import describe_pipeline, run_passes
@@ -671,6 +672,7 @@ def test_softmax_head_is_removed_for_the_loss_and_restored_on_export(tmp_path):
     legal = load_model(save_model(original, tmp_path))
     assert legal.graph.node[-1].op_type == "Gemm" and legal.graph.output[0].name == "logits"
     assert LoadedModel.from_proto(legal, source="m").head == "Softmax(axis=1)"
+    assert build_tensor_graph(legal).graph["removed_head"] == "Softmax(axis=1)"  # for inspect
     assert load_model(save_model(legal, tmp_path, "again.onnx")).graph.node[-1].op_type == "Gemm"
     x = sample()
     logits = ort_run(legal, x)
