@@ -16,10 +16,12 @@ from helpers import make_model, random_initializer, save_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes import PostconditionError, PreconditionError
 
+from etgraph.artifacts import generate
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.graph import build_tensor_graph
 from etgraph.model import LoadedModel, input_shape, parse_input_shape
 from etgraph.onnx_io import legalize, load_model, model_hash, restore_head
+from etgraph.sessions import TrainingSession
 from passes.base import describe_pipeline, run_passes
 from passes.onnx import (
     MAX_IR_VERSION,
@@ -531,6 +533,7 @@ def test_pipeline_order_can_be_printed():
         "FreeBatchDimPass",
         "NameNodesPass",
         "AddOptionalOutputsPass",
+        "TrainableBatchNormPass",
         "RewriteHardActivationsPass",
         "ExpandSumPass",
         "RefuseNoGradOpsPass",
@@ -702,3 +705,39 @@ def test_output_that_is_not_b_by_k_is_one_line(tmp_path):
     model = make_model(nodes, [random_initializer("w", (4, 3, 3, 3))], out_shape=(1, 4, 1, 1))
     with pytest.raises(ModelError, match=r"output 'logits' has shape \['batch', 4, 1, 1\]"):
         LoadedModel.load(save_model(model, tmp_path))
+
+
+def test_inference_batch_norm_becomes_trainable(tmp_path):
+    """An inference BatchNormalization (one output, training_mode 0) trains like a torch
+    TRAINING export's: running statistics are frozen parameters ORT updates in each step."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "g", "be", "mu", "var"], ["n"], name="bn"),
+        helper.make_node("Relu", ["n"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
+    ]
+    inits = [
+        random_initializer("w", (6, 3, 3, 3), scale=1.0),
+        numpy_helper.from_array(np.ones(6, np.float32), "g"),
+        numpy_helper.from_array(np.zeros(6, np.float32), "be"),
+        numpy_helper.from_array(np.zeros(6, np.float32), "mu"),
+        numpy_helper.from_array(np.ones(6, np.float32), "var"),
+        random_initializer("fw", (4, 6), seed=1),
+        random_initializer("fb", (4,), seed=2),
+    ]
+    model = LoadedModel.from_proto(
+        load_model(save_model(make_model(nodes, inits, in_shape=("N", 3, 8, 8)), tmp_path)),
+        source="m",
+    )
+    bn = next(n for n in model.proto.graph.node if n.op_type == "BatchNormalization")
+    assert len(bn.output) == 3 and all(bn.output)
+    assert {a.name: a.i for a in bn.attribute}["training_mode"] == 1
+    assert model.running_stats == ("mu", "var")
+    trainable, frozen = model.split(np.ones(len(model.tensors), bool))
+    paths = generate(model.proto, trainable, frozen, tmp_path / "art")
+    session = TrainingSession(paths.directory, paths.checkpoint, threads=1)
+    loss, _ = session.train_step(sample((2, 3, 8, 8)), np.array([0, 3], np.int64), 1e-3)
+    assert np.isfinite(loss)
+    assert not np.allclose(session.weights()["mu"], 0.0)  # the running mean was updated

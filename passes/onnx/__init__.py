@@ -16,9 +16,11 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 7. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
 8. :class:`NameNodesPass` — every node a unique non-empty name;
 9. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
-10. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
-11. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-12. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+10. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
+    running mean/var outputs;
+11. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
+12. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+13. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`).
 
@@ -33,6 +35,7 @@ from onnx_ir.passes import PassManager
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
 from .batch_dim import FreeBatchDimPass
+from .batch_norm import TrainableBatchNormPass
 from .eval_model import TrimEvalBatchNormPass
 from .io_names import INPUT_NAME, OUTPUT_NAME, NameInputOutputPass
 from .node_names import NameNodesPass
@@ -61,6 +64,7 @@ __all__ = [
     "RemoveSoftmaxHeadPass",
     "RestoreSoftmaxHeadPass",
     "RewriteHardActivationsPass",
+    "TrainableBatchNormPass",
     "TrimEvalBatchNormPass",
     "eval_model_pipeline",
     "legalization_pipeline",
@@ -84,6 +88,7 @@ def legalization_pipeline(source: str = "model") -> PassManager:
             FreeBatchDimPass(),
             NameNodesPass(),
             AddOptionalOutputsPass(),
+            TrainableBatchNormPass(),
             RewriteHardActivationsPass(source),
             ExpandSumPass(source),
             RefuseNoGradOpsPass(source),
