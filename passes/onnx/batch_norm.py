@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassResult, PostconditionError, PreconditionError
+from onnx_ir.passes import PassResult, PostconditionError
 
-from .optional_outputs import _fresh
+from .optional_outputs import NamedOutputsPass, name_outputs, value_names
 
 log = logging.getLogger(__name__)
 
@@ -37,27 +37,18 @@ def _inference_bn(node: ir.Node) -> bool:
     return not training or len(node.outputs) < 3 or not all(v.name for v in node.outputs[1:3])
 
 
-class TrainableBatchNormPass(InPlacePass):
+class TrainableBatchNormPass(NamedOutputsPass):
     """Give inference BatchNormalization `training_mode=1` and its running mean/var outputs,
     named `<node>/running_mean`, `<node>/running_var` (as a torch TRAINING export has)."""
 
-    def requires(self, model: ir.Model) -> None:
-        if any(not node.name for node in model.graph):
-            raise PreconditionError("nodes must be named first (NameNodesPass)")
-
     def call(self, model: ir.Model) -> PassResult:
-        taken = {v.name for node in model.graph for v in node.outputs if v.name}
-        taken |= {v.name for v in model.graph.inputs} | set(model.graph.initializers)
+        taken = value_names(model.graph)
         changed = 0
         for node in model.graph:
             if not _inference_bn(node):
                 continue
             node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
-            if len(node.outputs) < 3:
-                node.resize_outputs(3)
-            for value, stat in zip(node.outputs[1:3], _STATS, strict=True):
-                if not value.name:
-                    value.name = _fresh(f"{node.name}/{stat}", taken)
+            name_outputs(node, _STATS, taken)
             changed += 1
         if changed:
             log.info("%d inference BatchNormalization nodes made trainable", changed)
