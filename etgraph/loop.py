@@ -258,8 +258,14 @@ class TrainConfig:
         return cls(**data).validate()
 
     def digest(self) -> str:
-        """Stable 16-hex-digit hash of the configuration (stored in checkpoints)."""
-        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        """Stable 16-hex-digit hash of the configuration (stored in checkpoints).
+
+        Only the fields that differ from their defaults are hashed, so a field added later
+        with a default leaves the digests of earlier runs unchanged: they still resume.
+        """
+        default = type(self)().to_json()
+        changed = {k: v for k, v in self.to_json().items() if v != default[k]}
+        return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cosine_learning_rate(base_lr: float, step: int, total_steps: int) -> float:

@@ -4,6 +4,7 @@ state carried across re-selection, strategies, an end-to-end run of the period l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -174,6 +175,20 @@ def test_run_file_round_trip_and_errors(tmp_path):
         (out / "run.json").write_text(broken)
         with pytest.raises(CheckpointError, match="is corrupt"):
             rundir.read_run_file(out, TrainConfig.from_json)
+
+
+def test_config_digest_survives_fields_added_later():
+    @dataclasses.dataclass(frozen=True)
+    class Later(TrainConfig):  # the same settings, from code that added an option since
+        new_option: int = 0
+
+    config = TrainConfig(epochs=2, rho=0.7, seed=3, memory_mb=600.0)
+    assert Later(epochs=2, rho=0.7, seed=3, memory_mb=600.0).digest() == config.digest()
+    assert Later(epochs=2, rho=0.7, seed=3, memory_mb=600.0, new_option=1).digest() != (
+        config.digest()
+    )
+    assert TrainConfig(epochs=2, rho=0.7, seed=4, memory_mb=600.0).digest() != config.digest()
+    assert TrainConfig(epochs=2, rho=0.7, seed=3).digest() != config.digest()
 
 
 def test_new_run_directory_checks(tmp_path):
