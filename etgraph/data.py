@@ -180,19 +180,27 @@ def _stratified_split(
     labels: np.ndarray, val_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Split indices per class: ``round(val_fraction * n_c)`` of class c go to validation
-    (at least one when the class has >= 2 examples and ``val_fraction > 0``)."""
+    (at least one when the class has >= 2 examples and ``val_fraction > 0``).
+
+    Returns ``(train, val)``: train sorted; val interleaved class by class (one example of
+    each class, then the next of each, ...), so the first batches of a capped validation
+    (``--max-val-batches``) cover every class rather than the first classes only.
+    """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"validation fraction must be in [0, 1), got {val_fraction}")
     rng = np.random.default_rng(seed)
-    train, val = [], []
+    train, val, rank = [], [], []
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
         n_val = int(round(val_fraction * idx.size))
         if val_fraction > 0 and idx.size >= 2:
             n_val = min(max(n_val, 1), idx.size - 1)
-        val.append(idx[:n_val])
+        val.append(np.sort(idx[:n_val]))
+        rank.append(np.arange(n_val))
         train.append(idx[n_val:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+    val_index, val_rank = np.concatenate(val), np.concatenate(rank)
+    interleaved = val_index[np.lexsort((val_index, val_rank))]
+    return np.sort(np.concatenate(train)), interleaved
 
 
 def _check_num_classes(name: str, n_data: int, num_classes: int | None) -> None:

@@ -81,6 +81,9 @@ def test_val_batches_cover_validation_set_once():
     assert sum(len(y) for _, y in batches) == ds.n_val
     assert batches[0][0].shape == (50, 1, 16, 16)
     np.testing.assert_array_equal(np.concatenate([y for _, y in batches]), ds.labels[ds.val_index])
+    # the first batch (a capped validation, --max-val-batches 1) covers every class evenly
+    _, first = next(ds.val_batches(10))
+    assert np.bincount(first, minlength=len(ds.class_names)).tolist() == [2] * 5
 
 
 # ----------------------------------------------------------------------------- image folders
