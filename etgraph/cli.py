@@ -540,7 +540,7 @@ def train_command(
 ):
     """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
     and digits data) with elastic tensor selection, re-selecting every --period epochs."""
-    from .loop import TrainConfig, resume, train
+    from .loop import TrainConfig, load_run_data, resume, train
     from .plan import read_plan, train_settings
     from .rundir import format_summary
 
@@ -571,9 +571,7 @@ def train_command(
     from .text import check_text_options
 
     check_text_options(data, tokenizer)  # before the model is profiled
-    loaded, profile = _train_inputs(
-        model, profile_path, batch_size, input_shape or None, threads, model_output, loss
-    )
+    loaded, profile = _train_model(model, profile_path, input_shape or None, model_output, loss)
     config = TrainConfig(
         epochs=epochs,
         batch_size=batch_size,
@@ -595,6 +593,21 @@ def train_command(
         deadline_s=parse_duration(deadline) if deadline is not None else None,
         memory_mb=memory_mb,
     )
+    # The data before the model is profiled: a data error must not wait for profiling.
+    shapes = profile.input_shapes if profile is not None else input_shape or None
+    dataset = load_run_data(config, loaded, loaded.input_shapes(shapes))
+    if profile is None:
+        from .profile import default_cache_dir
+        from .profiler import profile_model  # only when profiling: scipy's optimizer is 38 MiB
+
+        click.echo(f"profiling {loaded.source.name} on this device (cached) ...", err=True)
+        profile = profile_model(
+            loaded,
+            batch_size=batch_size,
+            input_shapes=input_shape or None,
+            threads=threads,
+            cache_dir=default_cache_dir(),
+        )
     memory_profile = _memory_inputs(model, loaded, profile, memory_mb)
     result = train(
         loaded,
@@ -604,6 +617,7 @@ def train_command(
         progress=not quiet,
         started_at=_STARTED,
         memory_profile=memory_profile,
+        dataset=dataset,
     )
     click.echo(format_summary(result))
 
@@ -655,13 +669,14 @@ def parse_duration(text: str) -> float:
     return value
 
 
-def _train_inputs(model, profile_path, batch_size, input_shape, threads, output, loss):
-    """(LoadedModel, Profile) for `etgraph train`: compiled dir, ONNX file or the default.
-    The model is loaded here, once, and handed to the whole run. A compiled directory's model
-    has one output; its loss is the one it was compiled for (its profile's)."""
+def _train_model(model, profile_path, input_shape, output, loss):
+    """(LoadedModel, Profile or None) for `etgraph train`: compiled dir, ONNX file or the
+    default. The model is loaded here, once, and handed to the whole run. A compiled
+    directory's model has one output; its loss is the one it was compiled for (its profile's).
+    The profile is the given or compiled one; None = measure it (after the data is loaded)."""
     from .data import DEFAULT_MODEL_PATH
     from .model import LoadedModel, parse_input_shapes
-    from .profile import Profile, default_cache_dir, format_shapes
+    from .profile import Profile, format_shapes
 
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
     source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
@@ -694,14 +709,4 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads, output,
                     "re-profile with --input-shape or drop --profile"
                 )
         return loaded, profile
-    from .profiler import profile_model  # only when profiling: scipy's optimizer is 38 MiB
-
-    click.echo(f"profiling {source.name} on this device (cached) ...", err=True)
-    profile = profile_model(
-        loaded,
-        batch_size=batch_size,
-        input_shapes=input_shape,
-        threads=threads,
-        cache_dir=default_cache_dir(),
-    )
-    return loaded, profile
+    return loaded, None

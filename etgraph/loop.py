@@ -74,7 +74,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from .artifacts import ArtifactCache, ArtifactPaths, check_frozen_bn
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
-from .data import DEFAULT_PREPROCESS, Preprocess, load_task_data
+from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, load_task_data
 from .errors import (
     ConfigError,
     DataError,
@@ -124,7 +124,7 @@ from .timing import StepTimeFit, fit_step_times, min_feasible_rho
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "cosine_learning_rate", "resume", "train"]
+__all__ = ["TrainConfig", "cosine_learning_rate", "load_run_data", "resume", "train"]
 
 
 # ---- configuration ----------------------------------------------------------------------------
@@ -339,6 +339,27 @@ def _probe_seed(seed: int, period: int) -> int:
     return seed * 1000 + 100_000 + period
 
 
+def load_run_data(
+    config: TrainConfig, model: LoadedModel, shapes: dict[str, tuple[int, ...]]
+) -> Dataset | ArrayDataset:
+    """The run's data (``config.data``, ``tokenizer``, split, preprocessing) for ``model`` at
+    its per-example input ``shapes`` (:func:`etgraph.data.load_task_data`).
+
+    Raises:
+        DataError: as :func:`etgraph.data.load_task_data`.
+    """
+    return load_task_data(
+        config.data,
+        inputs=model.inputs,
+        shapes=shapes,
+        task=model.task,
+        tokenizer=config.tokenizer,
+        val_fraction=config.val_fraction,
+        seed=config.seed,
+        preprocess=config.preprocess,
+    )
+
+
 class _Run:
     """State of one run (see :func:`train`); built fresh or from a run directory.
 
@@ -357,6 +378,7 @@ class _Run:
         artifacts_root: Path | None,
         progress: bool,
         memory_profile: MemoryProfile | None = None,
+        dataset: Dataset | ArrayDataset | None = None,
     ):
         self.config = config.validate()
         if config.memory_mb is not None and memory_profile is None:
@@ -391,15 +413,8 @@ class _Run:
         self.threads = config.threads if config.threads is not None else profile.threads
         # No preloading of onnxruntime.training: the training wheel's `import onnxruntime`
         # (etgraph.sessions) already imports it and torch, so period 0 does not pay for it.
-        self.dataset = load_task_data(
-            config.data,
-            inputs=model.inputs,
-            shapes=self.input_shapes,
-            task=model.task,
-            tokenizer=config.tokenizer,
-            val_fraction=config.val_fraction,
-            seed=config.seed,
-            preprocess=config.preprocess,
+        self.dataset = (
+            dataset if dataset is not None else load_run_data(config, model, self.input_shapes)
         )
         steps = self.dataset.steps_per_epoch(config.batch_size)
         if steps < 1:
@@ -923,6 +938,7 @@ def train(
     progress: bool = True,
     started_at: float | None = None,
     memory_profile: MemoryProfile | None = None,
+    dataset: Dataset | ArrayDataset | None = None,
 ) -> TrainResult:
     """Train ``model`` with ``config.strategy``, re-selecting every ``config.period`` epochs.
 
@@ -940,6 +956,8 @@ def train(
             counts from it; default: this call).
         memory_profile: the model's memory model (:mod:`etgraph.memory`); required with
             ``config.memory_mb``, optional otherwise (the log then records predicted peaks).
+        dataset: the run's data when the caller loaded it (:func:`load_run_data`, e.g. before
+            profiling, so a data error comes first); default: loaded here.
 
     Returns:
         A :class:`~etgraph.rundir.TrainResult` (also in ``out_dir/summary.json``).
@@ -964,6 +982,7 @@ def train(
         artifacts_root=Path(artifacts_root) if artifacts_root else None,
         progress=progress,
         memory_profile=memory_profile,
+        dataset=dataset,
     )
     if started_at is not None:
         run.started_at = started_at

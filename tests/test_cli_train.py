@@ -81,3 +81,14 @@ def test_train_usage_errors(tmp_path):
     assert no_run.returncode == 1 and "no training run" in no_run.stderr
     bad_strategy = run_cli("train", "--strategy", "random", "--out", str(tmp_path / "o"))
     assert bad_strategy.returncode == 2
+
+
+def test_train_data_errors_come_before_profiling(tmp_path):
+    """A missing dataset is reported before the model is profiled (empty profile cache)."""
+    cache = tmp_path / "cache"
+    done = run_cli("train", "--data", str(tmp_path / "no_images"), "--out", str(tmp_path / "o"),
+                   *QUICK, env={"ETGRAPH_CACHE": str(cache)})  # fmt: skip
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no_images" in lines[0], done.stderr
+    assert not list(cache.glob("profiles/*.json")), "profiled before reading the data"
