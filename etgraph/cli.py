@@ -263,11 +263,12 @@ def inspect_command(
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size B.")
 @_input_shape_option
+@_output_option
 @_loss_option
 @click.option("--repeats", default=10, show_default=True, type=int, help="Measured runs.")
 @click.option("--warmup", default=3, show_default=True, type=int, help="Discarded runs.")
 @click.option("--threads", default=None, type=int, help="Intra-op threads [physical cores].")
-@click.option("-o", "--output", default="profile.json", show_default=True, help="Profile JSON.")
+@click.option("-o", "--out", default="profile.json", show_default=True, help="Profile JSON.")
 @click.option(
     "--cache-dir",
     default=None,
@@ -285,11 +286,12 @@ def profile_command(
     model,
     batch_size,
     input_shape,
+    model_output,
     loss,
     repeats,
     warmup,
     threads,
-    output,
+    out,
     cache_dir,
     no_cache,
     clock,
@@ -302,7 +304,7 @@ def profile_command(
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
     cache = None if no_cache else (cache_dir or default_cache_dir())
     prof = profile_model(
-        LoadedModel.load(model, loss=loss or "ce"),
+        LoadedModel.load(model, output=model_output, loss=loss or "ce"),
         batch_size=batch_size,
         input_shapes=input_shape or None,
         repeats=repeats,
@@ -311,7 +313,7 @@ def profile_command(
         cache_dir=cache,
         clock=clock,
     )
-    path = prof.save(output)
+    path = prof.save(out)
     dw, dy = prof.t_dw_us, prof.t_dy_us
     click.echo(
         f"{len(prof.tensors)} tensors, batch {prof.batch_size}, input "

@@ -255,6 +255,19 @@ def test_inspect_a_model_of_several_outputs(tmp_path):
     assert (dumped["output_name"], dumped["loss"], dumped["input_names"]) == ("y", "mse", ["x"])
 
 
+def test_profile_a_model_of_several_outputs(tmp_path, cache_env):
+    path = tmp_path / "two.onnx"
+    onnx.save(regression_model(two_outputs=True), str(path))
+    done = run_cli_in_process("profile", path, "--loss", "mse", env=cache_env)
+    assert_user_error(done, "has 2 outputs", "--output NAME")
+    out = tmp_path / "p.json"
+    args = ("--output", "y", "--loss", "mse", "--batch-size", "2", "--repeats", "1", "-o", out)
+    done = run_cli_in_process("profile", path, *args, "--warmup", "0", env=cache_env)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["loss"] == "mse" and len(data["tensor_timings"]) == 4
+
+
 def test_loss_fits_the_output(tmp_path):
     path = tmp_path / "m.onnx"
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv")]
