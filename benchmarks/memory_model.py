@@ -137,6 +137,7 @@ def run_model(
                     "budget_fraction": frac,
                     "selected": int(mask.sum()),
                     "earliest": int(np.argmax(mask)),
+                    "mask": np.flatnonzero(mask).tolist(),
                     "predicted_mb": parts["peak_mb"],
                     "measured_mb": measured,
                     "error": parts["peak_mb"] / measured - 1.0,
