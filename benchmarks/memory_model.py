@@ -16,6 +16,9 @@ data-free importance prior (each tensor's share of the parameters) and no time b
 memory constraint alone), :func:`etgraph.selection.select_tensors` with
 :class:`etgraph.selection.MemoryCosts`.
 
+Batch norms run in the mode ``--frozen-bn`` says (default ``inference``, as ``etgraph train``):
+the memory profile is measured in that mode and every mask's artifacts are generated in it.
+
 Peak RSS does not depend on CPU load, but memory is shared: run big models one at a time.
 
 Usage::
@@ -47,6 +50,7 @@ from etgraph.errors import InfeasibleBudgetError  # noqa: E402
 from etgraph.memory_profiler import measure_peaks, profile_memory  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.selection import MemoryCosts, select_tensors  # noqa: E402
+from passes.onnx import DEFAULT_FROZEN_BN, FROZEN_BN_MODES  # noqa: E402
 
 log = logging.getLogger("memory_model")
 
@@ -95,7 +99,9 @@ def export(name: str, size: int, work: Path) -> tuple[Path, tuple[int, int, int]
     return path, (3, size, size)
 
 
-def run_model(name: str, size: int, count: int, batch: int, threads: int, seed: int) -> dict:
+def run_model(
+    name: str, size: int, count: int, batch: int, threads: int, seed: int, frozen_bn: str
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="etgraph-memval-") as tmp:
         work = Path(tmp)
         path, shape = export(name, size, work)
@@ -105,7 +111,12 @@ def run_model(name: str, size: int, count: int, batch: int, threads: int, seed: 
         cache = ArtifactCache(work / "artifacts")
         t0 = time.perf_counter()
         prof = profile_memory(
-            model, batch_size=batch, input_shapes=shape, threads=threads, artifact_cache=cache
+            model,
+            batch_size=batch,
+            input_shapes=shape,
+            threads=threads,
+            artifact_cache=cache,
+            frozen_bn=frozen_bn,
         )
         profiling_s = time.perf_counter() - t0
         rng = np.random.default_rng(seed)
@@ -114,7 +125,7 @@ def run_model(name: str, size: int, count: int, batch: int, threads: int, seed: 
         model_b = model.with_batch(batch, {model.inputs[0].name: shape})
         rows = []
         for kind, frac, mask in cases:
-            paths, _ = cache.get(model_b, *model.split(mask))
+            paths, _ = cache.get(model_b, *model.split(mask), frozen_bn=frozen_bn)
             (raw,) = measure_peaks(
                 [paths.directory], batch_size=batch, input_shape=shape, threads=threads
             )
@@ -126,6 +137,7 @@ def run_model(name: str, size: int, count: int, batch: int, threads: int, seed: 
                     "budget_fraction": frac,
                     "selected": int(mask.sum()),
                     "earliest": int(np.argmax(mask)),
+                    "mask": np.flatnonzero(mask).tolist(),
                     "predicted_mb": parts["peak_mb"],
                     "measured_mb": measured,
                     "error": parts["peak_mb"] / measured - 1.0,
@@ -148,6 +160,7 @@ def run_model(name: str, size: int, count: int, batch: int, threads: int, seed: 
         "model": name,
         "input_size": shape[1],
         "batch_size": batch,
+        "frozen_bn": frozen_bn,
         "tensors": n,
         "profile": prof.to_dict(),
         "profiling_s": profiling_s,
@@ -183,13 +196,16 @@ def print_table(results: list[dict]) -> None:
 @click.option("--batch-size", default=4, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--frozen-bn", type=click.Choice(FROZEN_BN_MODES), default=DEFAULT_FROZEN_BN, show_default=True
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def main(names, input_size, count, batch_size, threads, seed, json_path) -> None:
+def main(names, input_size, count, batch_size, threads, seed, frozen_bn, json_path) -> None:
     """Predicted vs measured peak RSS of random and DP selections."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
     results = []
     for name in names or MODELS:
-        results.append(run_model(name, input_size, count, batch_size, threads, seed))
+        results.append(run_model(name, input_size, count, batch_size, threads, seed, frozen_bn))
         if json_path:
             Path(json_path).write_text(json.dumps(results, indent=1))
         print_table(results[-1:])

@@ -610,7 +610,7 @@ def train_command(
             threads=threads,
             cache_dir=default_cache_dir(),
         )
-    memory_profile = _memory_inputs(model, loaded, profile, memory_mb)
+    memory_profile = _memory_inputs(model, loaded, profile, memory_mb, frozen_bn)
     result = train(
         loaded,
         profile,
@@ -624,9 +624,10 @@ def train_command(
     click.echo(format_summary(result))
 
 
-def _memory_inputs(model, loaded, profile, memory_mb):
-    """The memory model for `etgraph train`: a compiled directory's ``memory.json``, else (with
-    --memory-mb) measured on this device (cached), else None."""
+def _memory_inputs(model, loaded, profile, memory_mb, frozen_bn):
+    """The memory model for `etgraph train`: a compiled directory's ``memory.json`` if it was
+    measured in the run's batch-norm mode, else (with --memory-mb) measured on this device in
+    that mode (cached), else None."""
     from .memory import MemoryProfile
     from .memory_profiler import image_input_shape, profile_memory
     from .profile import default_cache_dir
@@ -640,7 +641,8 @@ def _memory_inputs(model, loaded, profile, memory_mb):
             input_shape=image_input_shape(loaded, profile.input_shapes),
             threads=profile.threads,
         )
-        return memory_profile
+        if memory_profile.frozen_bn == frozen_bn:
+            return memory_profile
     if memory_mb is None:
         return None
     click.echo("measuring the memory model on this device (cached) ...", err=True)
@@ -650,6 +652,7 @@ def _memory_inputs(model, loaded, profile, memory_mb):
         input_shapes=profile.input_shapes,
         threads=profile.threads,
         cache_dir=default_cache_dir(),
+        frozen_bn=frozen_bn,
     )
 
 

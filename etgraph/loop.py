@@ -383,6 +383,11 @@ class _Run:
         self.config = config.validate()
         if config.memory_mb is not None and memory_profile is None:
             raise ConfigError("--memory-mb needs the model's memory profile: compile with it")
+        if memory_profile is not None and memory_profile.frozen_bn != config.frozen_bn:
+            raise ProfileMismatchError(
+                f"memory profile is of --frozen-bn {memory_profile.frozen_bn}, not "
+                f"{config.frozen_bn}: measure it in the run's mode (etgraph.memory_profiler)"
+            )
         self.memory_profile = memory_profile
         self.memory = (
             None

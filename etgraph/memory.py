@@ -28,6 +28,11 @@ the memory constraint has the same structure as the time constraint of paper Eq.
 earliest selected tensor is fixed, both are 0/1-knapsack constraints over the tensors after it
 (:func:`etgraph.selection.select_tensors` with :class:`etgraph.selection.MemoryCosts`).
 
+The profile is of one batch-norm mode (``frozen_bn``, README "Frozen batch norm"): with
+``"inference"`` (``etgraph train``'s default) the anchor selections' frozen batch norms run as
+their inference affine map, as in training, and a profile of the other mode is another profile
+(another :func:`memory_key`, and :meth:`MemoryProfile.check_matches` refuses it).
+
 How the parts are obtained (:mod:`etgraph.memory_profiler`): a measuring process, not the
 compiler's own (ORT's CPU arena never returns memory, and the compiler holds much else), builds
 the training session of a few anchor selections as training does and reports ``VmRSS`` after
@@ -56,6 +61,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from passes.onnx import DEFAULT_FROZEN_BN
+
 from .errors import ConfigError, ProfileMismatchError
 from .files import read_json, write_json_atomic
 
@@ -67,11 +74,12 @@ __all__ = [
     "memory_key",
 ]
 
-#: JSON format written by :meth:`MemoryProfile.to_dict`.
-MEMORY_FORMAT_VERSION = 1
+#: JSON format written by :meth:`MemoryProfile.to_dict` (2: ``frozen_bn``; sessions on the
+#: shared arena, :func:`etgraph.sessions.shared_arena`).
+MEMORY_FORMAT_VERSION = 2
 
 #: Version of the measurement method in :func:`memory_key` (bumped when what is measured changes).
-_METHOD_VERSION = 1
+_METHOD_VERSION = 2
 
 _MIB = float(1 << 20)
 
@@ -177,6 +185,9 @@ class MemoryProfile:
         weights_mb: MiB of the model's parameters (float32), part of ``base_mb``.
         bytes_per_param: fitted bytes per selected parameter (theory: 12 = gradient + 2 moments).
         batch_size, input_shape (C, H, W), threads, ort_version, host: the setting.
+        frozen_bn: the batch-norm mode of the measured artifacts (``"inference"`` or
+            ``"train"``, :data:`passes.onnx.FROZEN_BN_MODES`); training in the other mode needs
+            its own profile.
         anchors: tensor indices where ``earliest_mb`` was measured.
         measurements: raw measurements ``[{"mask": [indices], "rss": {...}}]`` (MiB).
         profiling_s: wall time of the measurements, s.
@@ -194,6 +205,7 @@ class MemoryProfile:
     batch_size: int
     input_shape: tuple[int, ...]
     threads: int
+    frozen_bn: str = DEFAULT_FROZEN_BN
     ort_version: str = ""
     host: str = ""
     anchors: list = field(default_factory=list)
@@ -338,9 +350,21 @@ class MemoryProfile:
             ) from exc
 
     def check_matches(
-        self, model_hash: str, *, batch_size: int, input_shape: Sequence[int], threads: int
+        self,
+        model_hash: str,
+        *,
+        batch_size: int,
+        input_shape: Sequence[int],
+        threads: int,
+        frozen_bn: str | None = None,
     ) -> None:
-        """Raise :class:`ProfileMismatchError` unless this memory profile fits the setting."""
+        """Raise :class:`ProfileMismatchError` unless this memory profile fits the setting
+        (``frozen_bn`` None: any batch-norm mode)."""
+        if frozen_bn is not None and frozen_bn != self.frozen_bn:
+            raise ProfileMismatchError(
+                f"memory profile is of --frozen-bn {self.frozen_bn}, not {frozen_bn}: measure "
+                "it again in that mode (compile with the same --frozen-bn)"
+            )
         setting = (model_hash, int(batch_size), tuple(int(d) for d in input_shape), int(threads))
         mine = (self.model_hash, self.batch_size, self.input_shape, self.threads)
         if setting != mine:
@@ -352,8 +376,19 @@ class MemoryProfile:
             )
 
 
-def memory_key(model_hash: str, input_shape: Sequence[int], batch_size: int, threads: int) -> str:
-    """Cache key of a memory profile (16 hex digits), like :func:`etgraph.profile.profile_key`."""
+def memory_key(
+    model_hash: str,
+    input_shape: Sequence[int],
+    batch_size: int,
+    threads: int,
+    *,
+    frozen_bn: str = DEFAULT_FROZEN_BN,
+) -> str:
+    """Cache key of a memory profile (16 hex digits), like :func:`etgraph.profile.profile_key`;
+    each batch-norm mode has its own."""
     shape = "x".join(str(int(d)) for d in input_shape)
-    text = f"memory|{model_hash}|{shape}|{int(batch_size)}|{int(threads)}|v{_METHOD_VERSION}"
+    text = (
+        f"memory|{model_hash}|{shape}|{int(batch_size)}|{int(threads)}|{frozen_bn}"
+        f"|v{_METHOD_VERSION}"
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,10 +1,11 @@
 """Measure the memory model of a model on this device (issue #17; the model is
 :mod:`etgraph.memory`).
 
-Every measurement is a **fresh process** (:func:`measure_peaks`) that does what a training
-process does for one selection — import onnxruntime-training (and torch), read the checkpoint,
-build the training Module and the AdamW Optimizer from the selection's artifacts, take a few
-training steps on a random batch — and reports its resident memory after each phase
+Every measurement is a **fresh process** (:func:`measure_peaks`; or a process forked after the
+imports, which starts from the same resident memory: :mod:`etgraph.memory_child`) that does what
+a training process does for one selection — import onnxruntime-training (and torch), read the
+checkpoint, build the training Module and the AdamW Optimizer from the selection's artifacts,
+take a few training steps on a random batch — and reports its resident memory after each phase
 (``VmRSS``) and its peak (``VmHWM``). A fresh process because ORT's CPU arena never returns
 memory: a second selection in the same process would start from the first one's arena. Peak RSS
 is what the OS counts against the process (what gets it killed on a device) and is not disturbed
@@ -16,7 +17,10 @@ weights, which are most of the peak on a small model.
 (tensors ``e .. N-1``: the backward pass from the output down to ``e``, every buffer of those
 tensors), at ``e = 0`` (full training), ``e = N-1`` and interior anchors spread by activation
 bytes, then (``refine`` rounds) the midpoint of every two adjacent anchors whose workspaces
-differ a lot — and fits the parts of :class:`etgraph.memory.MemoryProfile`:
+differ a lot — and fits the parts of :class:`etgraph.memory.MemoryProfile`. The anchors'
+artifacts are generated in the batch-norm mode training will run (``frozen_bn``; default
+``inference``, as ``etgraph train``): their frozen batch norms (before ``e``) run as inference
+affine maps.
 
 * ``load_mb``: the largest start-up peak (``VmHWM`` before the sessions are built);
 * ``base_mb`` and ``bytes_per_param``: least squares of the RSS after building the sessions
@@ -47,7 +51,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .artifacts import ArtifactCache
+from passes.onnx import DEFAULT_FROZEN_BN
+
+from .artifacts import ArtifactCache, check_frozen_bn
 from .errors import ConfigError, ModelError
 from .host import host_description, physical_cores
 from .memory import (
@@ -113,11 +119,11 @@ def measure_peaks(
             with their own ``checkpoint``).
         batch_size, input_shape (C, H, W): the random training batch. threads: intra-op threads.
         steps: training steps taken (the arena reaches its size within two).
-        fresh: one fresh process per directory (the ground truth). False: one process measures
-            them all in turn, freeing everything and resetting the peak counter in between; its
-            figures are rebased to a fresh process's (each phase minus the RSS before that
-            selection plus the RSS after the imports), which misses what the previous
-            selection's freed heap hides (see :func:`profile_memory`).
+        fresh: one fresh process per directory (the ground truth). False: one process imports
+            the libraries once and measures each directory in a process forked from it
+            (:mod:`etgraph.memory_child`: same figures within ~2 MiB, without paying the imports
+            per directory); its figures are rebased to a fresh process's (each phase minus the
+            RSS before that selection plus the RSS after the imports: ~+2 MiB).
 
     Returns:
         Per directory ``{"start", "imported", "loaded", "session", "steps"}``, each
@@ -216,6 +222,7 @@ def profile_memory(
     refine: int = 2,
     cache_dir: str | os.PathLike | None = None,
     artifact_cache: ArtifactCache | None = None,
+    frozen_bn: str = DEFAULT_FROZEN_BN,
 ) -> MemoryProfile:
     """Measure the memory model of ``model`` on this device (module docstring).
 
@@ -231,36 +238,43 @@ def profile_memory(
             anchors whose workspaces differ by more than 8 MiB or a quarter of the largest is
             measured too (one more process per round).
         fresh: one fresh process per anchor selection (slower: each pays the imports, ~3-8 s)
-            instead of one process measuring them in turn (:func:`measure_peaks`).
+            instead of processes forked after one import (:func:`measure_peaks`).
         cache_dir: if given, memory profiles are cached there as ``memory-<key>.json``
             (:func:`etgraph.memory.memory_key`); a hit is returned as is.
         artifact_cache: where the anchor selections' artifacts go (default a temporary one); the
             compiler passes its own so the all-trainable artifacts are reused.
+        frozen_bn: the batch-norm mode training runs (``--frozen-bn``: ``"inference"`` or
+            ``"train"``); the anchors are measured in it, and it is part of the cache key.
 
     Returns:
         The :class:`etgraph.memory.MemoryProfile`.
 
     Raises:
-        ConfigError: bad batch size, threads or anchors; a model without one float image input
-            (:func:`image_input_shape`).
+        ConfigError: bad batch size, threads, anchors or ``frozen_bn``; a model without one
+            float image input (:func:`image_input_shape`).
         ModelError: ORT cannot build or run the training graph; a measurement failed.
     """
     if batch_size <= 0:
         raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
     if anchors < 0:
         raise ConfigError(f"anchors must be >= 0, got {anchors}")
+    check_frozen_bn(frozen_bn)
     threads = physical_cores() if threads is None else int(threads)
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
     shape = image_input_shape(model, input_shapes)
     cache_path = None
     if cache_dir is not None:
-        key = memory_key(model.hash, shape, batch_size, threads)
+        key = memory_key(model.hash, shape, batch_size, threads, frozen_bn=frozen_bn)
         cache_path = Path(cache_dir) / f"memory-{key}.json"
         if cache_path.is_file():
             cached = MemoryProfile.load(cache_path)
             cached.check_matches(
-                model.hash, batch_size=batch_size, input_shape=shape, threads=threads
+                model.hash,
+                batch_size=batch_size,
+                input_shape=shape,
+                threads=threads,
+                frozen_bn=frozen_bn,
             )
             log.info("memory profile cache hit: %s", cache_path)
             return cached
@@ -286,7 +300,9 @@ def profile_memory(
                 mask[e:] = True
                 new_masks.append(mask)
             dirs = [
-                cache.get(model_b, *model.split(m), loss=model.task.loss)[0].directory
+                cache.get(model_b, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn)[
+                    0
+                ].directory
                 for m in new_masks
             ]
             raw += measure_peaks(
@@ -325,6 +341,7 @@ def profile_memory(
         batch_size=int(batch_size),
         input_shape=tuple(shape),
         threads=threads,
+        frozen_bn=frozen_bn,
         ort_version=ort.__version__,
         host=host_description(),
         anchors=points,
@@ -335,8 +352,9 @@ def profile_memory(
     )
     prof.profiling_s = time.perf_counter() - start
     log.info(
-        "memory profile: %d selections in %.1f s, base %.0f MiB, %.1f B/param, workspace "
-        "%.0f..%.0f MiB",
+        "memory profile (--frozen-bn %s): %d selections in %.1f s, base %.0f MiB, %.1f B/param, "
+        "workspace %.0f..%.0f MiB",
+        frozen_bn,
         len(masks),
         prof.profiling_s,
         prof.base_mb,

@@ -205,6 +205,7 @@ def compile_model(
                 threads=prof.threads,
                 cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
                 artifact_cache=cache,
+                frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
             )
     prof.save(out / PROFILE_FILE)
     prof = prof.for_frozen_bn(frozen_bn)  # the time model of the artifacts' batch-norm mode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -19,10 +20,12 @@ from etgraph.memory import (
     MemoryProfile,
     activation_bytes_after,
     interpolate_earliest_mb,
+    memory_key,
 )
 from etgraph.memory_profiler import image_input_shape, measure_peaks, profile_memory
 from etgraph.model import LoadedModel
 from etgraph.selection import MemoryCosts
+from etgraph.sessions import ROLES, OrtConfig, session_options
 
 
 def _profile(n=4):
@@ -80,6 +83,40 @@ def test_json_round_trip_and_version(tmp_path):
         prof.check_matches("other", batch_size=4, input_shape=(3, 32, 32), threads=2)
 
 
+def test_memory_profile_is_of_one_batch_norm_mode(tmp_path):
+    """A profile records the batch-norm mode it was measured in: the cache key differs per mode,
+    the JSON keeps it, and check_matches / the training loop refuse the other mode."""
+    keys = {memory_key("h", (3, 32, 32), 4, 2, frozen_bn=m) for m in ("inference", "train")}
+    assert len(keys) == 2
+    assert memory_key("h", (3, 32, 32), 4, 2) == memory_key(
+        "h", (3, 32, 32), 4, 2, frozen_bn="inference"
+    )
+    prof = _profile()
+    assert prof.frozen_bn == "inference"  # etgraph train's default
+    prof.frozen_bn = "train"
+    back = MemoryProfile.load(prof.save(tmp_path / "memory.json"))
+    assert back.frozen_bn == "train"
+    back.check_matches("h", batch_size=4, input_shape=(3, 32, 32), threads=2, frozen_bn="train")
+    back.check_matches("h", batch_size=4, input_shape=(3, 32, 32), threads=2)
+    with pytest.raises(ProfileMismatchError, match="of --frozen-bn train, not inference"):
+        back.check_matches(
+            "h", batch_size=4, input_shape=(3, 32, 32), threads=2, frozen_bn="inference"
+        )
+
+
+def test_every_session_role_allocates_from_the_shared_arena():
+    """ORT's per-session arena grows again on the second step (the memory pattern's block does
+    not fit the first step's chunks); every etgraph session uses the shared arena instead."""
+    for role in ROLES:
+        assert (
+            session_options(2, role=role).get_session_config_entry("session.use_env_allocators")
+            == "1"
+        )
+    plain = session_options(2, config=OrtConfig())  # ORT's defaults: the session's own arena
+    with pytest.raises(RuntimeError, match="does not have configuration with key"):
+        plain.get_session_config_entry("session.use_env_allocators")
+
+
 def test_interpolation_is_exact_at_anchors_and_follows_the_proxy():
     proxy = np.array([100.0, 80.0, 70.0, 40.0, 10.0, 10.0, 0.0])
     out = interpolate_earliest_mb([6, 0, 3], [5.0, 50.0, 20.0], proxy)
@@ -128,11 +165,19 @@ def test_memory_profile_predicts_measured_peaks(default_model, tmp_path):
         masks.append(mask)
     model_b = default_model.with_batch(4, default_model.input_shapes())
     cache = ArtifactCache(tmp_path / "artifacts")
-    dirs = [cache.get(model_b, *default_model.split(m))[0].directory for m in masks]
+    dirs = [
+        cache.get(model_b, *default_model.split(m), frozen_bn=prof.frozen_bn)[0].directory
+        for m in masks
+    ]
     measured = measure_peaks(dirs, batch_size=4, input_shape=(3, 32, 32), threads=2)
     for mask, raw in zip(masks, measured, strict=True):
         predicted = prof.peak_mb(mask)
         assert predicted == pytest.approx(raw["steps"]["VmHWM"], rel=0.05)
+    # processes forked after one import measure what fresh processes measure
+    forked = measure_peaks(dirs, batch_size=4, input_shape=(3, 32, 32), threads=2, fresh=False)
+    for fresh, fork in zip(measured, forked, strict=True):
+        for phase in ("loaded", "session", "steps"):
+            assert fork[phase]["VmRSS"] == pytest.approx(fresh[phase]["VmRSS"], abs=4.0)
 
 
 @pytest.mark.slow
@@ -193,6 +238,11 @@ def test_train_under_memory_budget_logs_predicted_peak(default_model, default_pr
     assert (out / "memory.json").is_file()
     with pytest.raises(ConfigError, match="needs the model's memory profile"):
         train(default_model, prof, config, tmp_path / "other", progress=False)
+    other_mode = dataclasses.replace(config, frozen_bn="train")
+    with pytest.raises(ProfileMismatchError, match="of --frozen-bn inference, not train"):
+        train(
+            default_model, prof, other_mode, tmp_path / "mode", progress=False, memory_profile=mem
+        )
     with pytest.raises(ConfigError, match="elastic strategy"):
         TrainConfig(memory_mb=500.0, strategy="topk").validate()
 
