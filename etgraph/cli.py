@@ -596,8 +596,10 @@ def train_command(
         memory_mb=memory_mb,
     )
     memory_profile = _memory_inputs(model, loaded, profile, memory_mb)
+    held = [loaded]  # handed over, not kept: under --memory-mb train() drops the weights
+    del loaded
     result = train(
-        loaded,
+        held.pop(),
         profile,
         config,
         out,
