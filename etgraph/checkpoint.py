@@ -52,18 +52,27 @@ class CarriedState:
     step: int = 0
 
 
-def _tensor_to_array(t) -> np.ndarray:
+def _tensor_to_array(t, copy: bool = True) -> np.ndarray:
     dtype = helper.tensor_dtype_to_np_dtype(t.DataType())
     dims = tuple(int(d) for d in t.DimsAsNumpy()) if t.DimsLength() else ()
     raw = t.RawDataAsNumpy() if t.RawDataLength() else np.zeros(0, np.uint8)
+    if not copy:  # a read-only view into the file's buffer (possibly unaligned)
+        return np.frombuffer(raw, dtype=dtype).reshape(dims)
     return np.frombuffer(raw.tobytes(), dtype=dtype).reshape(dims)
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[CarriedState, list[str], dict[str, str]]:
+def read_checkpoint(
+    path: str | os.PathLike, *, copy: bool = True, moments: bool = True
+) -> tuple[CarriedState, list[str], dict[str, str]]:
     """Read an ORT training checkpoint (flatbuffer ``ODTC``, as saved by ORT 1.19.2).
 
     Args:
         path: checkpoint file (``CheckpointState.save_checkpoint`` or :func:`write_checkpoint`).
+        copy: False: the arrays are read-only views into one buffer of the file's bytes (memory:
+            the file once, instead of the file and the arrays while reading — what a checkpoint
+            rewrite under a memory budget needs, :func:`write_checkpoint` copies them out).
+        moments: False: the optimizer moments are not read (``state.moments`` empty; the step
+            is read).
 
     Returns:
         ``(state, requires_grad, properties)``: the carried state (weights of all parameters,
@@ -73,7 +82,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[CarriedState, list[str], d
     Raises:
         CheckpointError: the file is missing, truncated, or not an ORT checkpoint.
     """
-    path = Path(path)
+    path, with_moments = Path(path), moments
     try:
         buf = path.read_bytes()
     except OSError as exc:
@@ -88,20 +97,20 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[CarriedState, list[str], d
         for j in range(ms.RequiresGradParamsLength()):
             t = ms.RequiresGradParams(j)
             name = t.Name().decode()
-            weights[name] = _tensor_to_array(t)
+            weights[name] = _tensor_to_array(t, copy)
             requires_grad.append(name)
         for j in range(ms.FrozenParamsLength()):
             t = ms.FrozenParams(j)
-            weights[t.Name().decode()] = _tensor_to_array(t)
+            weights[t.Name().decode()] = _tensor_to_array(t, copy)
         moments: dict[str, dict[str, np.ndarray]] = {}
         step = 0
         for g in range(ck.OptimizerGroupsLength()):
             group = ck.OptimizerGroups(g)
             step = int(group.Step())
-            for s in range(group.OptimizerStatesLength()):
+            for s in range(group.OptimizerStatesLength() if with_moments else 0):
                 ps = group.OptimizerStates(s)
                 moments[ps.ParamName().decode()] = {
-                    ps.Momentums(k).Name().decode(): _tensor_to_array(ps.Momentums(k))
+                    ps.Momentums(k).Name().decode(): _tensor_to_array(ps.Momentums(k), copy)
                     for k in range(ps.MomentumsLength())
                 }
         properties = {}
@@ -117,11 +126,23 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[CarriedState, list[str], d
     return CarriedState(weights, moments, step), requires_grad, properties
 
 
+def _raw_vector(builder, array: np.ndarray) -> int:
+    """A ``[ubyte]`` vector of ``array``'s bytes (C order, native little-endian), copied into
+    the builder straight from the array's memory: ``CreateNumpyVector`` would first make a
+    ``tobytes`` copy of the whole tensor (134 MB for VGG16's first classifier layer)."""
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    n = data.nbytes
+    builder.StartVector(1, n, 1)
+    builder.head = builder.head - n
+    builder.Bytes[builder.head : builder.head + n] = data
+    builder.vectorNumElems = n
+    return builder.EndVector()
+
+
 def _fb_tensor(builder, name: str, array: np.ndarray) -> int:
-    array = np.ascontiguousarray(array)
     name_off = builder.CreateString(name)
-    dims_off = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
-    raw_off = builder.CreateNumpyVector(np.frombuffer(array.tobytes(), dtype=np.uint8))
+    dims_off = builder.CreateNumpyVector(np.asarray(np.shape(array), dtype=np.int64))
+    raw_off = _raw_vector(builder, array)
     fbs.Tensor.Start(builder)
     fbs.Tensor.AddName(builder, name_off)
     fbs.Tensor.AddDims(builder, dims_off)
@@ -144,6 +165,7 @@ def write_checkpoint(
     *,
     initial_learning_rate: float = 1e-4,
     properties: Mapping[str, str] | None = None,
+    optimizer_state: bool = True,
 ) -> None:
     """Write an ORT training checkpoint that starts a session for a new selection.
 
@@ -158,6 +180,12 @@ def write_checkpoint(
         requires_grad: names of the parameters the new session trains (subset of weights).
         initial_learning_rate: stored in the optimizer group (the runtime sets lr each step).
         properties: string properties stored in the checkpoint.
+        optimizer_state: False: no optimizer group (no step, no moments), like the checkpoint
+            ``generate_artifacts`` writes: for a Module without Optimizer (gradients only), or
+            artifacts whose Optimizer starts fresh.
+
+    Memory: the builder is sized for the whole file up front and the file is written from it,
+    so the transient is one file's size (no growth copies, no ``tobytes``/``Output`` copies).
 
     Raises:
         ConfigError: a ``requires_grad`` name has no weight, or a moment's shape differs.
@@ -166,7 +194,10 @@ def write_checkpoint(
     missing = trainable - set(state.weights)
     if missing:
         raise ConfigError(f"no weight for trainable tensors {sorted(missing)[:5]}")
-    b = flatbuffers.Builder(1 << 20)
+    payload = sum(np.asarray(a).nbytes for a in state.weights.values())
+    if optimizer_state:
+        payload += 2 * sum(np.asarray(state.weights[n]).nbytes for n in trainable)
+    b = flatbuffers.Builder(payload + 256 * (3 * len(state.weights) + 16) + (1 << 16))
     train_offs, frozen_offs = [], []
     for name in sorted(state.weights):
         off = _fb_tensor(b, name, state.weights[name])
@@ -180,33 +211,37 @@ def write_checkpoint(
     fbs.ModuleState.AddHasExternalData(b, False)
     module_off = fbs.ModuleState.End(b)
 
-    param_offs = []
-    for name in sorted(trainable):
-        weight = state.weights[name]
-        carried = state.moments.get(name, {})
-        moment_offs = []
-        for moment in MOMENT_NAMES:
-            value = carried.get(moment)
-            if value is None:
-                value = np.zeros_like(weight)
-            elif value.shape != weight.shape:
-                raise ConfigError(f"moment {moment} of {name!r} has shape {value.shape}")
-            moment_offs.append(_fb_tensor(b, moment, value))
-        moments_vec = _fb_vector(b, fbs.ParameterOptimizerState.StartMomentumsVector, moment_offs)
-        name_off = b.CreateString(name)
-        fbs.ParameterOptimizerState.Start(b)
-        fbs.ParameterOptimizerState.AddParamName(b, name_off)
-        fbs.ParameterOptimizerState.AddMomentums(b, moments_vec)
-        param_offs.append(fbs.ParameterOptimizerState.End(b))
-    states_vec = _fb_vector(b, fbs.OptimizerGroup.StartOptimizerStatesVector, param_offs)
-    group_name = b.CreateString("group0")
-    fbs.OptimizerGroup.Start(b)
-    fbs.OptimizerGroup.AddGroupName(b, group_name)
-    fbs.OptimizerGroup.AddStep(b, int(state.step))
-    fbs.OptimizerGroup.AddInitialLearningRate(b, float(initial_learning_rate))
-    fbs.OptimizerGroup.AddOptimizerStates(b, states_vec)
-    group_off = fbs.OptimizerGroup.End(b)
-    groups_vec = _fb_vector(b, fbs.Checkpoint.StartOptimizerGroupsVector, [group_off])
+    groups_vec = None
+    if optimizer_state:
+        param_offs = []
+        for name in sorted(trainable):
+            weight = state.weights[name]
+            carried = state.moments.get(name, {})
+            moment_offs = []
+            for moment in MOMENT_NAMES:
+                value = carried.get(moment)
+                if value is None:
+                    value = np.zeros_like(weight)
+                elif value.shape != weight.shape:
+                    raise ConfigError(f"moment {moment} of {name!r} has shape {value.shape}")
+                moment_offs.append(_fb_tensor(b, moment, value))
+            moments_vec = _fb_vector(
+                b, fbs.ParameterOptimizerState.StartMomentumsVector, moment_offs
+            )
+            name_off = b.CreateString(name)
+            fbs.ParameterOptimizerState.Start(b)
+            fbs.ParameterOptimizerState.AddParamName(b, name_off)
+            fbs.ParameterOptimizerState.AddMomentums(b, moments_vec)
+            param_offs.append(fbs.ParameterOptimizerState.End(b))
+        states_vec = _fb_vector(b, fbs.OptimizerGroup.StartOptimizerStatesVector, param_offs)
+        group_name = b.CreateString("group0")
+        fbs.OptimizerGroup.Start(b)
+        fbs.OptimizerGroup.AddGroupName(b, group_name)
+        fbs.OptimizerGroup.AddStep(b, int(state.step))
+        fbs.OptimizerGroup.AddInitialLearningRate(b, float(initial_learning_rate))
+        fbs.OptimizerGroup.AddOptimizerStates(b, states_vec)
+        group_off = fbs.OptimizerGroup.End(b)
+        groups_vec = _fb_vector(b, fbs.Checkpoint.StartOptimizerGroupsVector, [group_off])
 
     bag_off = None
     if properties:
@@ -225,8 +260,9 @@ def write_checkpoint(
     fbs.Checkpoint.Start(b)
     fbs.Checkpoint.AddVersion(b, 2)  # the version ORT 1.19.2 writes and reads
     fbs.Checkpoint.AddModuleState(b, module_off)
-    fbs.Checkpoint.AddOptimizerGroups(b, groups_vec)
+    if groups_vec is not None:
+        fbs.Checkpoint.AddOptimizerGroups(b, groups_vec)
     if bag_off is not None:
         fbs.Checkpoint.AddPropertyBag(b, bag_off)
     b.Finish(fbs.Checkpoint.End(b), file_identifier=b"ODTC")
-    write_atomic(path, bytes(b.Output()))
+    write_atomic(path, memoryview(b.Bytes)[b.Head() :])  # no copy of the finished buffer

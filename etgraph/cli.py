@@ -611,8 +611,10 @@ def train_command(
             cache_dir=default_cache_dir(),
         )
     memory_profile = _memory_inputs(model, loaded, profile, memory_mb, frozen_bn)
+    held = [loaded]  # handed over, not kept: under --memory-mb train() drops the weights
+    del loaded
     result = train(
-        loaded,
+        held.pop(),
         profile,
         config,
         out,

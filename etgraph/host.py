@@ -19,8 +19,10 @@ __all__ = [
     "host_description",
     "peak_rss_mb",
     "physical_cores",
+    "limit_heap_retention",
     "release_native_memory",
     "reset_peak_rss",
+    "rss_mb",
 ]
 
 
@@ -63,6 +65,24 @@ def release_native_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+#: glibc ``mallopt`` parameter number of ``M_MMAP_THRESHOLD``.
+_M_MMAP_THRESHOLD = -3
+
+
+def limit_heap_retention(threshold_bytes: int = 1 << 20) -> None:
+    """Serve every allocation of ``threshold_bytes`` or more by its own ``mmap`` (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``; a no-op elsewhere), so freed large buffers go back to the OS.
+
+    glibc raises its mmap threshold to the size of each freed mmapped block (up to 32 MiB):
+    after ORT has loaded and freed a few checkpoints, tensor buffers below 32 MiB come from the
+    heap and stay resident when freed. Measured (ResNet50 128 px): a training session opened
+    after the importance chunks' sessions held 658 MiB instead of 542 MiB in a fresh process;
+    544 MiB with this set. A fixed threshold also stops the dynamic adjustment.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
+
+
 def reset_peak_rss() -> None:
     """Reset this process's peak RSS counter (Linux ``clear_refs``), if allowed."""
     with contextlib.suppress(OSError):
@@ -79,6 +99,17 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def rss_mb() -> float:
+    """This process's resident set size now (MiB, Linux ``VmRSS``; NaN where unknown)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
 
 
 def process_age_s() -> float:

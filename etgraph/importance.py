@@ -40,15 +40,29 @@ cached once) and its own :class:`etgraph.sessions.GradientSession` (a Module wit
 every evaluation first overwrites all its weights and BatchNorm running statistics with the
 given ones, so the training session's weights, moments and statistics are never touched and one
 evaluation cannot leak into the next.
+
+**Under a memory budget** (``etgraph train --memory-mb``, issue #17) one all-trainable session
+does not fit: its gradient buffers and the workspace of a backward pass to the input are full
+training's. The evaluator then takes ``chunks`` (:func:`gradient_chunks`): runs of tensors,
+from the output back, each the largest whose training session the memory model predicts within
+the budget (a gradient-only session holds less: no moments, no optimizer or eval session, so
+the prediction is an upper bound). Each evaluation reads the weights from the run's checkpoint
+file, writes one checkpoint per chunk, and opens, uses and releases one chunk's session at a
+time; nothing else large is held meanwhile. A tensor whose training alone exceeds the budget is
+in no chunk: no selection can train it, and its importance is 0. The gradient of a tensor does
+not depend on which others are trainable (every batch norm runs in training mode in every
+chunk, as in the all-trainable session), so the importances are the all-trainable session's;
+the cost is one forward and one backward pass per chunk instead of one in all.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +70,10 @@ import numpy as np
 import onnx
 
 from .artifacts import ArtifactCache, ArtifactPaths
+from .checkpoint import read_checkpoint, write_checkpoint
 from .data import Preprocess, load_task_data
 from .errors import ConfigError
+from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
 from .sessions import GradientSession
 
@@ -65,6 +81,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "adamw_first_step",
+    "gradient_chunks",
     "tensor_importance",
     "ImportanceResult",
     "ImportanceEvaluator",
@@ -174,6 +191,45 @@ def _adamw_importance(
     return float(learning_rate) * total
 
 
+def gradient_chunks(
+    peak_mb: Callable[[np.ndarray], float], n: int, budget_mb: float
+) -> list[list[int]]:
+    """Runs of tensors whose gradients are computed together under a memory budget.
+
+    From the last tensor back, each chunk is extended by the tensor before it while
+    ``peak_mb(chunk)`` stays within ``budget_mb``; a tensor that does not fit alone is left out
+    (no selection under the budget can train it).
+
+    Args:
+        peak_mb: predicted peak (MiB) of training a selection (bool [n] mask -> MiB), e.g.
+            :meth:`etgraph.selection.MemoryCosts.peak_mb`.
+        n: number of tensors. budget_mb: the budget, MiB.
+
+    Returns:
+        Chunks of tensor indices, each ascending; together the tensors that fit alone, each
+        once. The first chunk holds the last tensors.
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    mask = np.zeros(n, dtype=bool)
+    for k in reversed(range(n)):
+        mask[k] = True
+        if peak_mb(mask) <= budget_mb:
+            current.insert(0, k)
+            continue
+        mask[:] = False
+        if current:
+            chunks.append(current)
+        mask[k] = True
+        if peak_mb(mask) <= budget_mb:
+            current = [k]
+        else:
+            current, mask[k] = [], False
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 @dataclass(frozen=True)
 class ImportanceResult:
     """One importance evaluation.
@@ -205,6 +261,10 @@ class ImportanceEvaluator:
         threads: ORT intra-op threads (None = ORT's default), the run's setting.
         loss: the loss (``"ce"`` or ``"mse"``; :attr:`etgraph.model.Task.loss`).
         input_names: the model's input names, graph order (to feed single-array batches).
+        chunks: None: one all-trainable session, kept between evaluations. Else runs of
+            tensor indices (:func:`gradient_chunks`) evaluated one session at a time, from a
+            checkpoint file (:meth:`evaluate_checkpoint`; module docstring); ``model`` may then
+            hold placeholders for its weights (:func:`etgraph.artifacts.placeholder_weights`).
 
     Raises:
         ModelError: onnxruntime-training cannot build the all-trainable training graph.
@@ -221,26 +281,36 @@ class ImportanceEvaluator:
         threads: int | None = None,
         loss: str = "ce",
         input_names: Sequence[str] = (),
+        chunks: Sequence[Sequence[int]] | None = None,
     ):
         self.threads = threads
         self.input_names = list(input_names)
         self.tensor_names = list(tensor_names)
         self.frozen_names = list(frozen_names)
-        t0 = time.perf_counter()
-        self.paths: ArtifactPaths
-        self.paths, hit = cache.get(
-            model, self.tensor_names, self.frozen_names, weight_decay=weight_decay, loss=loss
-        )
-        self.setup_s = time.perf_counter() - t0
         self.weight_decay = float(weight_decay)
+        self.chunks = None if chunks is None else [list(c) for c in chunks]
+        self._model, self._cache, self._loss = model, cache, loss
         self._session: GradientSession | None = None  # opened at the first evaluation
         self._scratch = np.empty((3, _CHUNK), dtype=np.float32)  # see _adamw_importance
-        log.debug("importance artifacts %s (cache hit: %s)", self.paths.directory, hit)
+        t0 = time.perf_counter()
+        self.paths: ArtifactPaths | None = None
+        if self.chunks is None:
+            self.paths, hit = cache.get(
+                model, self.tensor_names, self.frozen_names, weight_decay=weight_decay, loss=loss
+            )
+            log.debug("importance artifacts %s (cache hit: %s)", self.paths.directory, hit)
+        self.setup_s = time.perf_counter() - t0
 
     def session(self) -> GradientSession:
         """The evaluator's all-trainable session, opened at the first use. The training loop
         also times its full reference steps on it (:meth:`GradientSession.train_step` at
-        learning rate 0), so one all-trainable session serves both."""
+        learning rate 0), so one all-trainable session serves both.
+
+        Raises:
+            ConfigError: a chunked evaluator has no all-trainable session.
+        """
+        if self.paths is None:
+            raise ConfigError("a chunked importance evaluator has no all-trainable session")
         if self._session is None:
             self._session = GradientSession(
                 self.paths.directory, self.threads, input_names=self.input_names
@@ -303,6 +373,104 @@ class ImportanceEvaluator:
             ],
             dtype=np.float64,
         )
+        cost_s = time.perf_counter() - t0
+        return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
+
+    def evaluate_checkpoint(
+        self,
+        checkpoint: str | os.PathLike,
+        batches: Sequence[tuple],
+        learning_rate: float,
+        scratch_dir: str | os.PathLike,
+    ) -> ImportanceResult:
+        """Importance at the weights of ``checkpoint`` (an ORT checkpoint holding every tensor
+        and running statistic, e.g. the run's), as :meth:`evaluate`.
+
+        Without chunks: the weights are read and :meth:`evaluate` runs. With chunks (module
+        docstring): one checkpoint per chunk is written to ``scratch_dir`` from a view of the
+        file (memory: the file and one chunk's file at a time), the views are dropped, then
+        each chunk's gradient session is opened, run on ``batches``, read and released before
+        the next; the chunk files are deleted. Tensors in no chunk get importance 0.
+
+        Raises:
+            ConfigError: no batch, a non-positive learning rate, or a tensor missing from the
+                checkpoint. CheckpointError: the checkpoint cannot be read.
+        """
+        if self.chunks is None:
+            state, _, _ = read_checkpoint(checkpoint, moments=False)
+            return self.evaluate(state.weights, batches, learning_rate)
+        if not learning_rate > 0:
+            raise ConfigError(f"learning rate must be positive, got {learning_rate}")
+        if not batches:
+            raise ConfigError("importance needs at least one probe batch")
+        t0 = time.perf_counter()
+        scratch = Path(scratch_dir)
+        scratch.mkdir(parents=True, exist_ok=True)
+        state, _, _ = read_checkpoint(checkpoint, copy=False, moments=False)
+        missing = [n for n in self.tensor_names + self.frozen_names if n not in state.weights]
+        if missing:
+            raise ConfigError(f"no current value for tensor {missing[0]!r}")
+        files = []
+        for j, chunk in enumerate(self.chunks):
+            files.append(scratch / f"importance-{j}.ckpt")
+            names = [self.tensor_names[k] for k in chunk]
+            write_checkpoint(files[-1], state, names, optimizer_state=False)
+        del state  # the file's buffer: no weights are held while a session is open
+        gc.collect()
+        release_native_memory()
+        log.debug(
+            "importance chunk checkpoints written: RSS %.0f MiB, peak %.0f MiB",
+            rss_mb(),
+            peak_rss_mb(),
+        )
+        session_s = time.perf_counter() - t0
+        importance = np.zeros(len(self.tensor_names), dtype=np.float64)
+        losses: list[float] = []
+        try:
+            for chunk, path in zip(self.chunks, files, strict=True):
+                names = [self.tensor_names[k] for k in chunk]
+                chosen = set(names)
+                frozen = [n for n in self.tensor_names if n not in chosen] + self.frozen_names
+                ts = time.perf_counter()
+                paths, _ = self._cache.get(
+                    self._model,
+                    names,
+                    frozen,
+                    weight_decay=self.weight_decay,
+                    loss=self._loss,
+                    checkpoint=False,
+                )
+                session = GradientSession(
+                    paths.directory, self.threads, input_names=self.input_names, checkpoint=path
+                )
+                session_s += time.perf_counter() - ts
+                chunk_losses = session.accumulate(batches)
+                log.debug(
+                    "importance chunk of %d tensors from %d: RSS %.0f MiB, peak %.0f MiB",
+                    len(chunk),
+                    chunk[0],
+                    rss_mb(),
+                    peak_rss_mb(),
+                )
+                losses = losses or chunk_losses  # every chunk computes the same forward pass
+                params = session.state.parameters
+                for k, name in zip(chunk, names, strict=True):
+                    importance[k] = _adamw_importance(
+                        session.gradient(name),
+                        params[name].data,
+                        learning_rate,
+                        self.weight_decay,
+                        len(chunk_losses),
+                        self._scratch,
+                    )
+                del session, params
+                gc.collect()
+                release_native_memory()
+                log.debug("importance chunk released: RSS %.0f MiB", rss_mb())
+                path.unlink()
+        finally:
+            for path in files:
+                path.unlink(missing_ok=True)
         cost_s = time.perf_counter() - t0
         return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
 

@@ -41,6 +41,20 @@ the same nominal learning rate. The learning rate follows the paper's cosine dec
 ``lr_t = lr * (1 + cos(pi * t / T)) / 2`` over all ``T`` training steps, set each step with
 ``Optimizer.set_learning_rate`` (ORT's LinearLRScheduler is broken in 1.19.2).
 
+**Under a memory budget** (``memory_mb``, issue #17) the whole process stays within it, not
+only the selection's session: at any moment one heavy thing is alive. The model's weights leave
+the process at the start (:func:`etgraph.artifacts.placeholder_weights`; they go to a checkpoint
+file, written from the model's bytes tensor by tensor), artifacts are generated from the
+placeholders (graphs only: every session starts from a checkpoint etgraph writes), and the
+state always goes through a file: a period's session is saved and released before importance,
+importance runs chunk by chunk (:func:`etgraph.importance.gradient_chunks`), and the next
+session's checkpoint is rewritten from a view of the file before the session opens. The
+process's own resident memory beyond the memory model's libraries (data, interpreter objects)
+is measured before every selection and added to the model's base. No full reference steps are
+taken (a full training step does not fit the budget): the loop runs open, ``rho_measured`` is
+NaN. ``peak_rss_mb`` in the log is the process's ``VmHWM`` since the end of the previous
+period (the first period's includes start-up), so the largest one is the run's peak.
+
 **Outputs** in the run directory (:mod:`etgraph.rundir`): ``log.jsonl``, ``checkpoint`` (after
 every period, atomic), ``model_trained.onnx`` (plain inference model; its ``metadata_props``
 hold the class names, :mod:`etgraph.labels`), ``classes.json`` (output index -> label, from the
@@ -56,6 +70,8 @@ exactly as the uninterrupted one would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -72,7 +88,13 @@ from tqdm import tqdm
 
 from passes.onnx import DEFAULT_FROZEN_BN
 
-from .artifacts import ArtifactCache, ArtifactPaths, check_frozen_bn
+from .artifacts import (
+    ArtifactCache,
+    ArtifactPaths,
+    check_frozen_bn,
+    lazy_initializer_values,
+    placeholder_weights,
+)
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, load_task_data
 from .errors import (
@@ -82,8 +104,14 @@ from .errors import (
     ProfileMismatchError,
     TrainingDivergedError,
 )
-from .host import peak_rss_mb, release_native_memory, reset_peak_rss
-from .importance import ImportanceEvaluator
+from .host import (
+    limit_heap_retention,
+    peak_rss_mb,
+    release_native_memory,
+    reset_peak_rss,
+    rss_mb,
+)
+from .importance import ImportanceEvaluator, gradient_chunks
 from .labels import save_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
@@ -294,6 +322,16 @@ FIT_CLOCK = "_cpu"
 #: deadline mode keeps free at the end.
 FINISH_S = 2.5
 
+#: Copies of the checkpoint file ORT 1.19.2's ``CheckpointState.save_checkpoint`` holds at its
+#: peak beside the live session (it builds the whole file in memory): 1.62x and 1.93x measured
+#: on ResNet50 128 px (143 and 217 MiB files, moments included); budgeted as 2.
+CHECKPOINT_SAVE_COPIES = 2.0
+
+#: Copies of the weights ``Module.export_model_for_inferencing`` holds at its peak beside the
+#: session it exports from (the last period's, rebuilt from its checkpoint, no step taken):
+#: 1.9-3.0x measured on ResNet50 128 px; budgeted as 3 (it exceeds the save's 2 copies).
+EXPORT_WEIGHT_COPIES = 3.0
+
 #: Untimed full steps before each timed reference step: the elastic steps around it have warm
 #: caches, and so would full training's.
 REFERENCE_WARMUP = 1
@@ -329,6 +367,11 @@ def reference_ratio(
         if local and ref > 0:
             ratios.append(float(np.median(local)) / ref)
     return float(np.median(ratios)) if ratios else float("nan")
+
+
+def _memory_log(what: str) -> None:
+    """Debug log of this process's resident memory and peak (MiB) after ``what``."""
+    log.debug("memory after %s: RSS %.0f MiB, peak %.0f MiB", what, rss_mb(), peak_rss_mb())
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -389,14 +432,14 @@ class _Run:
                 f"{config.frozen_bn}: measure it in the run's mode (etgraph.memory_profiler)"
             )
         self.memory_profile = memory_profile
-        self.memory = (
-            None
-            if config.memory_mb is None
-            else MemoryCosts.from_profile(memory_profile, config.memory_mb)
-        )
+        self.bounded = config.memory_mb is not None  # the whole run under a memory budget
         self.out = out_dir
         self.progress = progress
         self.model = model
+        if self.bounded:  # the weights live in checkpoint files only (module docstring)
+            limit_heap_retention()
+            params = model.names + list(model.running_stats)
+            self.model = dataclasses.replace(model, proto=placeholder_weights(model.proto, params))
         self.input_shapes = model.input_shapes(profile.input_shapes)
         self.tensors = list(model.tensors)
         self.names = model.names
@@ -435,6 +478,8 @@ class _Run:
         self._evaluator = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self.fit = StepTimeFit()
+        self._predicted_peak_mb: float | None = None  # the run's, under a memory budget
+        self._startup_peak_mb: float | None = None
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.started_at = time.perf_counter()  # the deadline counts from here (or the CLI's)
         p = profile
@@ -442,9 +487,21 @@ class _Run:
 
     # -- pieces ------------------------------------------------------------------------------
 
-    def evaluator(self) -> ImportanceEvaluator:
-        """The importance evaluator of the run (its all-trainable artifacts built once)."""
-        if self._evaluator is None:
+    def evaluator(self, memory: MemoryCosts | None = None) -> ImportanceEvaluator:
+        """The importance evaluator of the run: one all-trainable session built once, or under
+        a memory budget (``memory``) chunks whose sessions fit it (re-planned when the budget
+        left for them changes)."""
+        chunks = None
+        if memory is not None:  # no checkpoint is saved while a chunk's session is open
+            mp = self.memory_profile
+            session_only = dataclasses.replace(
+                memory,
+                tensor_mb=mp.tensor_mb,
+                base_mb=memory.base_mb
+                - max(CHECKPOINT_SAVE_COPIES, EXPORT_WEIGHT_COPIES) * mp.weights_mb,
+            )
+            chunks = gradient_chunks(session_only.peak_mb, len(self.names), memory.budget_mb)
+        if self._evaluator is None or self._evaluator.chunks != chunks:
             self._evaluator = ImportanceEvaluator(
                 self.model.proto,
                 self.names,
@@ -454,8 +511,42 @@ class _Run:
                 threads=self.threads,
                 loss=self.model.task.loss,
                 input_names=self.model.input_names,
+                chunks=chunks,
             )
+            if chunks is not None:
+                log.info(
+                    "importance in %d chunks of %s tensors under %.0f MiB",
+                    len(chunks),
+                    "/".join(str(len(c)) for c in chunks),
+                    memory.budget_mb,
+                )
         return self._evaluator
+
+    def memory_costs(self) -> MemoryCosts | None:
+        """The memory side of this period's selection: the whole run's peak (module
+        docstring), MiB. The memory model (the selection's training process), plus this
+        process's resident memory beyond the model's libraries (measured now, with no session
+        and no weights held) on its base and start-up floor, plus saving the period's
+        checkpoint beside the live session (:data:`CHECKPOINT_SAVE_COPIES` copies of the file:
+        every weight, and two AdamW moments per selected parameter). None without a budget.
+        """
+        if self.config.memory_mb is None:
+            return None
+        mp = self.memory_profile
+        gc.collect()
+        release_native_memory()
+        overhead = max(0.0, rss_mb() - mp.import_mb)
+        _memory_log(f"release (resident beyond the model's libraries {overhead:.0f} MiB)")
+        if self._startup_peak_mb is None:  # what loading the model took, already spent
+            self._startup_peak_mb = peak_rss_mb()
+        moments_mb = mp.tensor_mb * (8.0 / mp.bytes_per_param)  # 2 float32 moments / param
+        copies = max(CHECKPOINT_SAVE_COPIES, EXPORT_WEIGHT_COPIES)
+        return dataclasses.replace(
+            MemoryCosts.from_profile(mp, self.config.memory_mb),
+            tensor_mb=mp.tensor_mb + CHECKPOINT_SAVE_COPIES * moments_mb,
+            base_mb=mp.base_mb + overhead + copies * mp.weights_mb,
+            floor_mb=max(mp.load_mb + overhead, self._startup_peak_mb),
+        )
 
     def val_batches(self) -> Iterator:
         batches = self.dataset.val_batches(self.config.batch_size)
@@ -474,9 +565,12 @@ class _Run:
                 return
             yield batch
 
-    def artifacts(self, mask: np.ndarray) -> tuple[ArtifactPaths, bool, list[str]]:
+    def artifacts(
+        self, mask: np.ndarray, checkpoint: bool = False
+    ) -> tuple[ArtifactPaths, bool, list[str]]:
         """``(paths, cache hit, trainable tensor names)``: the artifacts of selection ``mask``
-        (bool [N], forward order) for the run's weight decay, loss and batch-norm mode."""
+        (bool [N], forward order) for the run's weight decay, loss and batch-norm mode (their
+        graphs, unless ``checkpoint``: sessions start from checkpoints the run writes)."""
         trainable, frozen = self.model.split(mask)
         paths, hit = self.cache.get(
             self.model.proto,
@@ -485,6 +579,7 @@ class _Run:
             weight_decay=self.config.weight_decay,
             loss=self.model.task.loss,
             frozen_bn=self.config.frozen_bn,
+            checkpoint=checkpoint,
         )
         return paths, hit, trainable
 
@@ -500,7 +595,7 @@ class _Run:
             if self.config.strategy in IMPORTANCE_STRATEGIES:
                 self._reference = self.evaluator().session()
             else:
-                paths, _, _ = self.artifacts(np.ones(len(self.names), dtype=bool))
+                paths, _, _ = self.artifacts(np.ones(len(self.names), dtype=bool), checkpoint=True)
                 self._reference = GradientSession(
                     paths.directory, self.threads, input_names=self.model.input_names
                 )
@@ -553,7 +648,10 @@ class _Run:
 
     def _full_step_now_s(self, steps: int = 3) -> float:
         """Median wall time (s) of ``steps`` full steps of the (warm) reference session on a
-        probe batch: the machine's speed at the start of a deadline run."""
+        probe batch: the machine's speed at the start of a deadline run. Under a memory budget
+        (no full session fits) the profile's measured full step."""
+        if self.bounded:
+            return self.profile.measured_full_step_us * 1e-6
         reference = self.reference_session()
         x, y = self.dataset.probe_batch(self.config.batch_size, _probe_seed(self.config.seed, 0))
         times = []
@@ -600,8 +698,23 @@ class _Run:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def run(self, start_epoch: int, carried: CarriedState, history: list[dict]) -> TrainResult:
-        """Train from ``start_epoch`` (a period boundary) with ``carried`` state to the end."""
+    def initial_state(self, model: LoadedModel) -> CarriedState | Path:
+        """The state a run starts from: the model's initial weights; under a memory budget
+        written to a checkpoint file instead (straight from the model's bytes, one tensor at
+        a time) and the file's path returned, so the run never holds them."""
+        if not self.bounded:
+            return CarriedState(model.initial_weights())
+        path = self.out / SESSION_DIR / "initial.ckpt"
+        params = model.names + list(model.running_stats)
+        write_checkpoint(path, CarriedState(lazy_initializer_values(model.proto, params)), [])
+        _memory_log("the initial checkpoint")
+        return path
+
+    def run(
+        self, start_epoch: int, carried: CarriedState | Path, history: list[dict]
+    ) -> TrainResult:
+        """Train from ``start_epoch`` (a period boundary) with ``carried`` state to the end
+        (a checkpoint file under a memory budget)."""
         cfg = self.config
         session: TrainingSession | None = None
         mask_prev: np.ndarray | None = None
@@ -611,9 +724,11 @@ class _Run:
         while period_start < cfg.epochs:
             period = period_start // cfg.period
             period_end = min((period + 1) * cfg.period, cfg.epochs)
-            reset_peak_rss()
             if session is not None:  # the state at the end of the last period, as checkpointed
-                carried, _, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
+                if self.bounded:  # released before importance: the state is in the file
+                    session, carried = None, self.out / CHECKPOINT_FILE
+                else:
+                    carried, _, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
             if cfg.deadline_s is not None:
                 self.rho = self.deadline_rho(period_start, records)
             session, mask, timings = self._reselect(period, session, mask_prev, carried, records)
@@ -623,10 +738,14 @@ class _Run:
                 timings = None  # re-selection is charged to the period's first epoch only
                 records.append(asdict(record))
                 append_log(self.out, records[-1])
+            reset_peak_rss()  # the next period's peak counts from here (checkpoint save on)
             t0 = time.perf_counter()
             self._save_checkpoint(session, period_end, mask)
+            _memory_log("saving the checkpoint")
             log.debug("checkpoint after epoch %d: %.3f s", period_end, time.perf_counter() - t0)
             period_start = period_end
+        if self.bounded:  # _finish opens it again from the checkpoint, the only reference
+            session = None
         return self._finish(session, records)
 
     def _reselect(
@@ -634,24 +753,32 @@ class _Run:
         period: int,
         session: TrainingSession | None,
         mask_prev: np.ndarray | None,
-        carried: CarriedState,
+        carried: CarriedState | Path,
         records: list[dict],
     ) -> tuple[TrainingSession, np.ndarray, dict]:
         """Importance -> selection -> artifacts -> new session (kept if the mask is unchanged).
 
-        Returns the session, the mask and the timings (s) of each part, all counted as
-        training time.
+        ``carried``: the state, or under a memory budget the checkpoint file holding it (no
+        session is open then). Returns the session, the mask and the timings (s) of each part,
+        all counted as training time.
         """
         cfg = self.config
         t0 = time.perf_counter()
+        memory = self.memory_costs()  # under a budget: measured with nothing large held
         importance = None
         if cfg.strategy in IMPORTANCE_STRATEGIES:
             batches = [
                 self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, period) + 7919 * i)
                 for i in range(cfg.probe_batches)
             ]
-            importance = self.evaluator().evaluate(carried.weights, batches, cfg.learning_rate)
-            importance = importance.importance
+            if isinstance(carried, Path):
+                result = self.evaluator(memory).evaluate_checkpoint(
+                    carried, batches, cfg.learning_rate, self.out / SESSION_DIR
+                )
+            else:
+                result = self.evaluator().evaluate(carried.weights, batches, cfg.learning_rate)
+            importance = result.importance
+            _memory_log("importance")
         t1 = time.perf_counter()
         self.fit = self.fit_time_model(records)
         time_model = self.profile
@@ -666,8 +793,9 @@ class _Run:
             self.rho,
             importance,
             resolution=cfg.resolution,
-            memory=self.memory,
+            memory=memory,
         )
+        self._predicted_peak_mb = None if memory is None else memory.peak_mb(mask)
         t2 = time.perf_counter()
         cache_hit = None
         if session is None or mask_prev is None or not np.array_equal(mask, mask_prev):
@@ -675,8 +803,17 @@ class _Run:
             t3 = time.perf_counter()
             session = None  # release the old session before building the new one
             ckpt = self.out / SESSION_DIR / CHECKPOINT_FILE
-            write_checkpoint(ckpt, carried, trainable, initial_learning_rate=cfg.learning_rate)
+            if isinstance(carried, Path):  # rewritten from a view of the file, then dropped
+                state, _, _ = read_checkpoint(carried, copy=False)
+                write_checkpoint(ckpt, state, trainable, initial_learning_rate=cfg.learning_rate)
+                del state
+                gc.collect()
+                release_native_memory()
+                _memory_log("the selection's checkpoint")
+            else:
+                write_checkpoint(ckpt, carried, trainable, initial_learning_rate=cfg.learning_rate)
             session = self._session(paths.directory, ckpt)
+            _memory_log("the training session")
         else:
             t3 = time.perf_counter()
         release_native_memory()
@@ -725,7 +862,7 @@ class _Run:
         reference, reference_at, reference_times = None, frozenset(), []
         step_cpu, reference_cpu = [], []  # the same steps by process CPU time
         t_ref = time.perf_counter()
-        if cfg.strategy != "full":
+        if cfg.strategy != "full" and not self.bounded:  # a full step would not fit a budget
             reference = self.reference_session()
             count = int(
                 cfg.reference_budget * self.rho * self.steps_per_epoch / (1 + REFERENCE_WARMUP)
@@ -770,7 +907,9 @@ class _Run:
         first = 1 if len(timed) < len(step_times) else 0
         median_us = float(np.median(timed) * 1e6) if timed else float("nan")
         median_cpu_us = float(np.median(step_cpu[first:]) * 1e6) if timed else float("nan")
-        if reference is None:  # full training: its own steps are the reference
+        if cfg.strategy != "full" and reference is None:  # a memory budget: not measured
+            reference_us = reference_cpu_us = float("nan")
+        elif reference is None:  # full training: its own steps are the reference
             reference_us, reference_cpu_us = median_us, median_cpu_us
         else:
             ratio = reference_ratio(step_times, reference_times, first)
@@ -820,7 +959,11 @@ class _Run:
             rho_measured_cpu=median_cpu_us / reference_cpu_us,
             val_s=val_s,
             predicted_peak_mb=(
-                None if self.memory_profile is None else self.memory_profile.peak_mb(mask)
+                self._predicted_peak_mb
+                if self._predicted_peak_mb is not None
+                else None
+                if self.memory_profile is None
+                else self.memory_profile.peak_mb(mask)
             ),
         )
         if self.progress:
@@ -863,7 +1006,13 @@ class _Run:
         if session is None:  # resumed after the last checkpoint: rebuild from it
             session = self._session_from_checkpoint()
         trained = self.out / TRAINED_MODEL_FILE
+        _memory_log("the last session")
         session.export_inference_model(trained, [self.model.output_name])
+        _memory_log("export")
+        if self.bounded:  # scored in an inference session: the training one is released first
+            session = None
+            gc.collect()
+            release_native_memory()
         if self.model.head is not None:  # the original model's output meaning, restored
             restore_head(trained, self.model.head)
         self._export_original_outputs(trained)
@@ -878,6 +1027,7 @@ class _Run:
         )
         if self.model.task.loss != "ce":  # the metric is the MSE: no accuracy
             inference_acc = float("nan")
+        _memory_log("scoring the exported model")
         with contextlib.suppress(Exception):
             plot_run(self.out)
         shutil.rmtree(self.out / SESSION_DIR, ignore_errors=True)
@@ -914,7 +1064,7 @@ class _Run:
 
     def _session_from_checkpoint(self) -> TrainingSession:
         """A session on the run's last checkpoint, with its selection's artifacts."""
-        _, requires_grad, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
+        _, requires_grad, _ = read_checkpoint(self.out / CHECKPOINT_FILE, copy=False, moments=False)
         selected = set(requires_grad)
         paths, _, _ = self.artifacts(np.array([n in selected for n in self.names]))
         return self._session(paths.directory, self.out / CHECKPOINT_FILE)
@@ -1006,7 +1156,9 @@ def train(
     if run.dataset.class_names:
         save_class_names(out, run.dataset.class_names)
     start_log(out)
-    return run.run(0, CarriedState(model.initial_weights()), [])
+    carried = run.initial_state(model)
+    del model  # under a memory budget the weights are in the file now (the caller's copy too)
+    return run.run(0, carried, [])
 
 
 def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
@@ -1051,8 +1203,14 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
     if not (out / CHECKPOINT_FILE).exists():
         log.info("no checkpoint in %s yet: restarting the run", out)
         start_log(out)
-        return run.run(0, CarriedState(model.initial_weights()), [])
+        carried = run.initial_state(model)
+        del model
+        return run.run(0, carried, [])
     carried, epoch = read_run_checkpoint(out, model, config.digest())
+    del model
+    if run.bounded:  # checked; the run reads the file itself (the state is never held)
+        carried = out / CHECKPOINT_FILE
+        gc.collect()
     records = truncate_log(out, epoch)
     log.info("resuming %s at epoch %d of %d", out, epoch, config.epochs)
     return run.run(epoch, carried, records)

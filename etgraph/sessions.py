@@ -347,6 +347,8 @@ class GradientSession:
         input_names: the model's input names (graph order), needed to feed batches whose
             inputs are one array (:func:`as_inputs`).
         config: session options (benchmarks); default the "probe" role's.
+        checkpoint: the checkpoint to start from (trainable set = the artifacts'); default the
+            artifacts' own.
     """
 
     def __init__(
@@ -356,10 +358,12 @@ class GradientSession:
         *,
         input_names: Sequence[str] = (),
         config: OrtConfig | None = None,
+        checkpoint: str | os.PathLike | None = None,
     ):
         self.directory = Path(directory)
         self.input_names = list(input_names)
-        self.state = api.CheckpointState.load_checkpoint(str(self.directory / "checkpoint"))
+        source = self.directory / "checkpoint" if checkpoint is None else Path(checkpoint)
+        self.state = api.CheckpointState.load_checkpoint(str(source))
         self.module = api.Module(
             str(self.directory / "training_model.onnx"),
             self.state,

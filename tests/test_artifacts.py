@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -126,3 +128,39 @@ def test_cache_hits_by_structure_and_selection_and_removes_temporaries(tmp_path)
     cache.remove_temporaries()
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [paths.directory.name]
     assert paths.exists()
+
+
+def test_graphs_come_from_placeholder_weights(tmp_path):
+    """The graphs do not depend on the weights: generating from placeholders gives the same
+    files, the checkpoint holds the model's values, and a placeholder model has none to give."""
+    from etgraph.artifacts import initializer_values, placeholder_weights
+    from etgraph.checkpoint import read_checkpoint
+
+    model = conv_bn_model()
+    skeleton = placeholder_weights(model, TRAINABLE + FROZEN)
+    assert skeleton.ByteSize() < model.ByteSize()
+    assert selection_key(skeleton, TRAINABLE) == selection_key(model, TRAINABLE)
+    full = generate(model, TRAINABLE, FROZEN, tmp_path / "full", frozen_bn="inference")
+    bare = generate(
+        skeleton, TRAINABLE[3:], TRAINABLE[:3] + FROZEN, tmp_path / "bare", checkpoint=False
+    )
+    assert bare.exists(checkpoint=False) and not bare.exists()
+    other = generate(model, TRAINABLE[3:], TRAINABLE[:3] + FROZEN, tmp_path / "other")
+    for name in ARTIFACT_FILES[:3]:  # equal up to onnxblock's per-process name counter
+        texts = [
+            re.sub(r"::\d+", "::N", str(onnx.load(str(d / name))))
+            for d in (bare.directory, other.directory)
+        ]
+        assert texts[0] == texts[1]
+    state, requires_grad, _ = read_checkpoint(full.checkpoint)
+    assert sorted(requires_grad) == sorted(TRAINABLE) and not state.moments
+    for name, value in initializer_values(model, TRAINABLE + FROZEN).items():
+        np.testing.assert_array_equal(state.weights[name], value)
+    with pytest.raises(ConfigError, match="holds a placeholder, not its weights"):
+        generate(skeleton, TRAINABLE, FROZEN, tmp_path / "nope")
+    cache = ArtifactCache(tmp_path / "cache")
+    paths, hit = cache.get(skeleton, TRAINABLE, FROZEN, checkpoint=False)
+    assert not hit and not paths.checkpoint.exists()
+    assert cache.get(skeleton, TRAINABLE, FROZEN, checkpoint=False)[1]  # graphs suffice
+    paths, hit = cache.get(model, TRAINABLE, FROZEN)  # a checkpoint is needed: generated
+    assert not hit and paths.exists()

@@ -13,6 +13,7 @@ from etgraph.importance import (
     ImportanceEvaluator,
     _adamw_importance,
     adamw_first_step,
+    gradient_chunks,
     probe_importance,
     tensor_importance,
 )
@@ -174,3 +175,61 @@ def test_probe_importance_of_a_loaded_model(loaded, cache, setup):
     expected = evaluator.evaluate(loaded.initial_weights(), batches, LR).importance
     assert got.shape == (len(loaded.names),) and got.dtype == np.float64
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_gradient_chunks_fit_the_budget_and_cover_what_can_be_trained():
+    """Chunks are runs from the output back, each the longest that fits; a tensor that does not
+    fit alone is in none (no selection under the budget can train it)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 30))
+        t = rng.uniform(0, 10, n)
+        earliest = rng.uniform(0, 40, n)
+        budget = float(rng.uniform(10, 80))
+
+        def peak(mask, t=t, earliest=earliest):
+            return 5.0 + t[mask].sum() + earliest[int(np.argmax(mask))]
+
+        chunks = gradient_chunks(peak, n, budget)
+        covered = [k for c in chunks for k in c]
+        alone = [k for k in range(n) if peak(np.arange(n) == k) <= budget]
+        assert sorted(covered) == alone and len(set(covered)) == len(covered)
+        for c in chunks:
+            mask = np.isin(np.arange(n), c)
+            assert peak(mask) <= budget and c == list(range(c[0], c[-1] + 1))
+            if c[0] > 0 and (c[0] - 1) in alone:  # maximal: the tensor before does not fit in
+                assert peak(mask | (np.arange(n) == c[0] - 1)) > budget
+    assert gradient_chunks(lambda m: float(m.sum()), 5, 2.0) == [[3, 4], [1, 2], [0]]
+
+
+@pytest.mark.slow
+def test_chunked_importance_from_a_checkpoint_equals_the_all_trainable_one(
+    loaded, cache, setup, tmp_path
+):
+    """Under a memory budget: weights read from a checkpoint file, one gradient session per
+    chunk, from a model whose weights are placeholders; the same importance as one
+    all-trainable session (gradients do not depend on what else is trainable)."""
+    from etgraph.artifacts import placeholder_weights
+    from etgraph.checkpoint import CarriedState, write_checkpoint
+
+    evaluator, names, stats, weights, batch = setup
+    expected = evaluator.evaluate(weights, [batch], LR)
+    ckpt = tmp_path / "state.ckpt"
+    write_checkpoint(ckpt, CarriedState(weights), names[:2])
+    chunks = [[len(names) - 1], list(range(3, len(names) - 1)), [0, 1]]  # tensor 2 in none
+    chunked = ImportanceEvaluator(
+        placeholder_weights(loaded.proto, names + stats),
+        names,
+        stats,
+        cache,
+        weight_decay=WEIGHT_DECAY,
+        input_names=["input"],
+        chunks=chunks,
+    )
+    result = chunked.evaluate_checkpoint(ckpt, [batch], LR, tmp_path / "scratch")
+    keep = np.arange(len(names)) != 2
+    np.testing.assert_allclose(result.importance[keep], expected.importance[keep], rtol=1e-4)
+    assert result.importance[2] == 0.0 and result.loss == pytest.approx(expected.loss)
+    assert not list((tmp_path / "scratch").iterdir())  # the chunks' checkpoints are removed
+    with pytest.raises(ConfigError, match="has no all-trainable session"):
+        chunked.session()

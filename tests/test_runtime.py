@@ -74,6 +74,15 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
     assert not state.moments["b"]["momentum0"].any()  # a newly trainable tensor starts at zero
     assert "c" not in state.moments  # frozen tensors have no moments
 
+    # views into the file's buffer, rewritten with another trainable set and no optimizer state
+    views, _, _ = read_checkpoint(path, copy=False, moments=False)
+    assert not views.moments and views.step == 7 and not views.weights["a"].flags.writeable
+    write_checkpoint(tmp_path / "ck2", views, ["c"], optimizer_state=False)
+    again, requires_grad, _ = read_checkpoint(tmp_path / "ck2")
+    assert requires_grad == ["c"] and not again.moments and again.step == 0
+    for name, value in weights.items():
+        np.testing.assert_array_equal(again.weights[name], value)
+
     data = path.read_bytes()
     (tmp_path / "cut").write_bytes(data[: len(data) // 3])
     (tmp_path / "junk").write_bytes(b"not a checkpoint at all")
