@@ -22,7 +22,12 @@ from etgraph.memory import (
     interpolate_earliest_mb,
     memory_key,
 )
-from etgraph.memory_profiler import image_input_shape, measure_peaks, profile_memory
+from etgraph.memory_profiler import (
+    fit_memory_profile,
+    image_input_shape,
+    measure_peaks,
+    profile_memory,
+)
 from etgraph.model import LoadedModel
 from etgraph.selection import MemoryCosts
 from etgraph.sessions import ROLES, OrtConfig, session_options
@@ -65,6 +70,30 @@ def test_parts_and_peak():
         prof.peak_mb(np.zeros(4, dtype=bool))
     with pytest.raises(ConfigError, match="expected \\(4,\\)"):
         prof.peak_mb(np.ones(3, dtype=bool))
+
+
+def test_a_selection_without_the_largest_gradient_needs_less_workspace():
+    """earliest_mb is the suffix's workspace, which holds the suffix's largest weight-gradient
+    temporary (4 bytes per parameter); a selection without it is predicted that much lower, by
+    the DP's costs (an upper bound) it is not."""
+    prof = _profile()
+    prof.tensor_mb = np.array([1.0, 30.0, 3.0, 6.0])  # 12 B/param: gradients 1/3 of these
+    suffix = np.array([False, True, True, True])
+    sparse = np.array([False, True, False, True])
+    without_big = np.array([False, False, True, True])
+    assert prof.parts_mb(suffix)["gradient_slack_mb"] == 0.0
+    assert prof.parts_mb(sparse)["gradient_slack_mb"] == 0.0  # the big gradient is selected
+    # earliest 2: the suffix from 2 holds gradients of 1 and 2 MiB, the selection the 2: no slack
+    assert prof.parts_mb(without_big)["gradient_slack_mb"] == 0.0
+    late = np.array([True, False, False, True])  # suffix from 0 holds the 10 MiB gradient
+    parts = prof.parts_mb(late)
+    assert parts["gradient_slack_mb"] == pytest.approx(10.0 - 2.0)
+    assert parts["workspace_mb"] == pytest.approx(40.0 - 8.0)
+    assert parts["peak_mb"] == pytest.approx(100.0 + 1.0 + 6.0 + 32.0)
+    masks = np.array([suffix, sparse, without_big, late])
+    assert np.allclose(prof.peak_mb_many(masks), [prof.peak_mb(m) for m in masks])
+    costs = MemoryCosts.from_profile(prof, 500.0)
+    assert costs.peak_mb(late) == pytest.approx(prof.peak_mb(late) + 8.0)
 
 
 def test_json_round_trip_and_version(tmp_path):
@@ -140,6 +169,49 @@ def test_activation_bytes_after_default_model():
     assert proxy[0] >= 4 * 32 * 32 * 4
     with pytest.raises(ConfigError, match="not a node"):
         activation_bytes_after(model.proto, ["nope"])
+
+
+def test_fit_memory_profile_to_synthetic_anchors():
+    """The fit recovers a known model from anchor records (no measurement): base and the
+    theoretical 12 B/param for a small model, the start-up floor, the workspaces exact at the
+    anchors (the suffix's largest gradient added back after interpolating the rest)."""
+    model = LoadedModel.load(DEFAULT_MODEL_PATH)
+    n = len(model.tensors)
+    params = np.array([t.params for t in model.tensors], dtype=np.float64)
+    proxy = activation_bytes_after(
+        model.with_batch(4, model.input_shapes()), [t.layer for t in model.tensors]
+    )
+    points = [n - 1, n // 2, 0]
+    workspace = {n - 1: 5.0, n // 2: 20.0, 0: 60.0}
+
+    def record(e):
+        session = 300.0 + params[e:].sum() * 12 / 2**20
+        return {
+            "imported": {"VmRSS": 250.0, "VmHWM": 250.0},
+            "loaded": {"VmRSS": 290.0, "VmHWM": 310.0 + e},
+            "session": {"VmRSS": session, "VmHWM": 320.0},
+            "steps": {"VmRSS": session + workspace[e], "VmHWM": session + workspace[e]},
+        }
+
+    prof = fit_memory_profile(
+        model,
+        proxy,
+        points,
+        [record(e) for e in points],
+        batch_size=4,
+        input_shape=(3, 32, 32),
+        threads=2,
+        frozen_bn="train",
+    )
+    assert prof.bytes_per_param == 12.0 and prof.base_mb == pytest.approx(300.0)
+    assert prof.load_mb == 310.0 + n - 1 and prof.frozen_bn == "train"
+    assert prof.import_mb == 250.0
+    for e, w in workspace.items():
+        assert prof.earliest_mb[e] == pytest.approx(w)
+        suffix = np.zeros(n, dtype=bool)
+        suffix[e:] = True
+        assert prof.peak_mb(suffix) == pytest.approx(max(prof.load_mb, record(e)["steps"]["VmHWM"]))
+    assert np.all(np.diff(prof.earliest_mb) <= 1e-9)  # the proxy falls: so does the workspace
 
 
 @pytest.mark.slow
