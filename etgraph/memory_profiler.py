@@ -182,14 +182,20 @@ def _workspace_mb(run: dict) -> float:
     return max(run["steps"]["VmRSS"] - run["session"]["VmRSS"], 0.0)
 
 
-def _refinements(points: list[int], raw: list[dict]) -> list[int]:
-    """Midpoints of adjacent anchors whose workspaces differ by more than
-    :data:`_REFINE_MB` or a quarter of the largest workspace: where the workspace moves more
-    than the activation proxy can be trusted to interpolate (a MobileNetV2 block near the input
-    drops it 110 MiB within three tensors; ResNet50's falls smoothly, no refinement)."""
+def _suffix_grad_mb(params: np.ndarray) -> np.ndarray:
+    """float64 [N] MiB: the largest float32 weight gradient among tensors ``e .. N-1``."""
+    return np.maximum.accumulate((params * 4 / _MIB)[::-1])[::-1]
+
+
+def _refinements(points: list[int], raw: list[dict], suffix_grad_mb: np.ndarray) -> list[int]:
+    """Midpoints of adjacent anchors whose workspaces, less the suffix's largest weight
+    gradient (known, :func:`_suffix_grad_mb`), differ by more than :data:`_REFINE_MB` or a
+    quarter of the largest: where the workspace moves more than the activation proxy can be
+    trusted to interpolate (a MobileNetV2 block near the input drops it 110 MiB within three
+    tensors; ResNet50's falls smoothly, no refinement)."""
     order = np.argsort(points)
     idx = np.asarray(points)[order]
-    ws = np.array([_workspace_mb(r) for r in raw])[order]
+    ws = np.array([_workspace_mb(r) for r in raw])[order] - suffix_grad_mb[idx]
     limit = max(_REFINE_MB, 0.25 * float(ws.max()))
     return [
         int((a + b) // 2)
@@ -262,7 +268,7 @@ def fit_memory_profile(
     workspace = np.array([_workspace_mb(r) for r in raw])
     # The suffix's largest weight-gradient temporary steps where a big layer enters the suffix;
     # the rest (activations) follows the activation proxy: interpolate that, add the step back.
-    suffix_grad_mb = np.maximum.accumulate((params * 4 / _MIB)[::-1])[::-1]
+    suffix_grad_mb = _suffix_grad_mb(params)
     rest = np.maximum(workspace - suffix_grad_mb[points], 0.0)
     earliest_mb = interpolate_earliest_mb(points, rest, proxy) + suffix_grad_mb
     prof = MemoryProfile(
@@ -366,6 +372,7 @@ def profile_memory(
     points: list[int] = []
     raw: list[dict] = []
     todo = anchor_indices(proxy, anchors)
+    suffix_grad = _suffix_grad_mb(np.array([t.params for t in model.tensors], dtype=np.float64))
     with tempfile.TemporaryDirectory(prefix="etgraph-memory-") as work:
         cache = artifact_cache if artifact_cache is not None else ArtifactCache(work)
         for _ in range(refine + 1):
@@ -392,7 +399,7 @@ def profile_memory(
                 fresh=fresh,
             )
             points += todo
-            todo = _refinements(points, raw)
+            todo = _refinements(points, raw, suffix_grad)
     prof = fit_memory_profile(
         model,
         proxy,

@@ -66,8 +66,8 @@ class OrtConfig:
             two (ORT's default). With ORT's default, the memory pattern's one block, requested
             on the second step, does not fit in the chunks the first step left and the arena
             grows again: +116 MiB on a one-tensor selection at ResNet50's input (128 px, batch
-            4), +41 MiB on a sparse MobileNetV2 selection; the shared arena stays flat and was
-            no slower (README, "Memory model validation"). Ignored with ``arena=False``.
+            4), +91 MiB on MobileNetV2's full training; the shared arena stays flat and was no
+            slower (README, "The memory model"). Ignored with ``arena=False``.
     """
 
     spinning: bool = True
