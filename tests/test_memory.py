@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +31,13 @@ from etgraph.memory_profiler import (
 )
 from etgraph.model import LoadedModel
 from etgraph.selection import MemoryCosts
-from etgraph.sessions import ROLES, OrtConfig, session_options
+from etgraph.sessions import (
+    ROLES,
+    OrtConfig,
+    inference_session,
+    session_options,
+    shrink_shared_arena,
+)
 
 
 def _profile(n=4):
@@ -144,6 +151,38 @@ def test_every_session_role_allocates_from_the_shared_arena():
     plain = session_options(2, config=OrtConfig())  # ORT's defaults: the session's own arena
     with pytest.raises(RuntimeError, match="does not have configuration with key"):
         plain.get_session_config_entry("session.use_env_allocators")
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_shrinking_the_shared_arena_returns_free_regions():
+    """A 64 MiB intermediate lands in the shared arena; once its session is released, the
+    arena keeps it (ORT's arenas never return memory) until shrink_shared_arena()."""
+    nodes = [
+        helper.make_node("Expand", ["x", "shape"], ["big"], name="expand"),
+        helper.make_node("ReduceSum", ["big"], ["y"], name="sum", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        [helper.make_tensor("shape", TensorProto.INT64, [1], [16 << 20])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    shrink_shared_arena()
+    sess = inference_session(model.SerializeToString(), session_options(1, role="eval"))
+    assert sess.run(None, {"x": np.ones(1, dtype=np.float32)})[0] == pytest.approx(16 << 20)
+    del sess
+    held = _rss_mb()
+    shrink_shared_arena()
+    assert _rss_mb() < held - 48.0
 
 
 def test_interpolation_is_exact_at_anchors_and_follows_the_proxy():
