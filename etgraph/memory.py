@@ -7,7 +7,8 @@ the OS counts it (resident set size, ``VmHWM``: what gets a process killed on a 
 All arrays are in forward execution order (index 0 nearest the input), memory in MiB (``_mb``).
 For a non-empty mask ``M`` with earliest selected tensor ``e = e(M)``::
 
-    peak_mb(M) = max(load_mb,  base_mb + sum_k M[k] * tensor_mb[k] + earliest_mb[e])
+    peak_mb(M) = max(load_mb,  base_mb + sum_k M[k] * tensor_mb[k] + earliest_mb[e]
+                               - (max_{k >= e} grad_mb[k] - max_{k in M} grad_mb[k]))
 
 * ``load_mb`` — the peak while the process starts: interpreter, numpy, onnxruntime-training and
   torch (which ``onnxruntime.training`` imports), and reading the checkpoint (ORT holds the file
@@ -21,10 +22,18 @@ For a non-empty mask ``M`` with earliest selected tensor ``e = e(M)``::
   tensor ``e``: the forward activations the backward pass keeps alive (everything after ``e``
   that a backward op reads, branches included), the error gradients in flight and the kernels'
   scratch. It depends on ``e`` only — how far back the gradient travels — like the ``t_dy`` term
-  of the time model.
+  of the time model. It is measured on suffix selections (every tensor from ``e`` on), so it
+  includes the largest weight-gradient temporary of the suffix.
+* ``grad_mb[k]`` — tensor ``k``'s weight gradient as the backward pass computes it (float32, 4
+  bytes per parameter), a temporary in the arena until it is added to the accumulation buffer.
+  A selection without the suffix's largest one needs less workspace than the suffix: the last
+  term. It matters where one layer's weights dwarf the activations (VGG16's first fully
+  connected layer at 128 px: a 128 MiB gradient; a selection of two convolutions near the input
+  measured 87 MiB below the suffix from the first of them).
 
-Because ``earliest_mb`` depends on ``e(M)`` only and the rest is a sum over selected tensors,
-the memory constraint has the same structure as the time constraint of paper Eq. (3): once the
+Without the last term (it is >= 0) ``earliest_mb`` depends on ``e(M)`` only and the rest is a
+sum over selected tensors: the memory constraint of the DP (an upper bound of ``peak_mb``, exact
+for suffixes) has the same structure as the time constraint of paper Eq. (3): once the
 earliest selected tensor is fixed, both are 0/1-knapsack constraints over the tensors after it
 (:func:`etgraph.selection.select_tensors` with :class:`etgraph.selection.MemoryCosts`).
 
@@ -191,6 +200,8 @@ class MemoryProfile:
         anchors: tensor indices where ``earliest_mb`` was measured.
         measurements: raw measurements ``[{"mask": [indices], "rss": {...}}]`` (MiB).
         profiling_s: wall time of the measurements, s.
+        profiling_cpu_s: CPU time of the measurements (this process and its measuring
+            processes), s: what they cost on an idle machine, about (wall time grows with load).
     """
 
     model_hash: str
@@ -211,6 +222,7 @@ class MemoryProfile:
     anchors: list = field(default_factory=list)
     measurements: list = field(default_factory=list)
     profiling_s: float = 0.0
+    profiling_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.tensor_mb = np.asarray(self.tensor_mb, dtype=np.float64)
@@ -221,6 +233,16 @@ class MemoryProfile:
             raise ConfigError(f"memory profile arrays must have one entry per tensor ({n})")
 
     # -- the model -------------------------------------------------------------------------
+
+    @property
+    def grad_mb(self) -> np.ndarray:
+        """float64 [N] MiB of each tensor's weight-gradient temporary (4 bytes per parameter,
+        the parameters being ``tensor_mb / bytes_per_param``)."""
+        return self.tensor_mb * (4.0 / self.bytes_per_param)
+
+    def _suffix_grad_mb(self) -> np.ndarray:
+        """float64 [N]: the largest ``grad_mb`` from each tensor on."""
+        return np.maximum.accumulate(self.grad_mb[::-1])[::-1]
 
     def _mask(self, mask) -> np.ndarray:
         m = np.asarray(mask, dtype=bool)
@@ -237,8 +259,9 @@ class MemoryProfile:
 
         Keys: ``peak_mb`` (the prediction), ``load_mb`` (start-up floor), ``base_mb`` (of which
         ``import_mb`` libraries and ``weights_mb`` weights), ``tensors_mb`` (gradient buffers and
-        moments of the selected tensors), ``workspace_mb`` (activations and scratch, by the
-        earliest selected tensor ``earliest``).
+        moments of the selected tensors), ``workspace_mb`` (activations and scratch: the suffix
+        workspace of the earliest selected tensor ``earliest`` less ``gradient_slack_mb``, what
+        the suffix's largest gradient temporary exceeds the selection's by).
 
         Raises:
             ConfigError: wrong mask length, or an empty mask.
@@ -246,7 +269,8 @@ class MemoryProfile:
         m = self._mask(mask)
         e = int(np.argmax(m))
         tensors_mb = float(self.tensor_mb[m].sum())
-        workspace_mb = float(self.earliest_mb[e])
+        slack_mb = float(self._suffix_grad_mb()[e] - self.grad_mb[m].max())
+        workspace_mb = float(self.earliest_mb[e]) - slack_mb
         steady = self.base_mb + tensors_mb + workspace_mb
         return {
             "peak_mb": max(self.load_mb, steady),
@@ -256,6 +280,7 @@ class MemoryProfile:
             "weights_mb": self.weights_mb,
             "tensors_mb": tensors_mb,
             "workspace_mb": workspace_mb,
+            "gradient_slack_mb": slack_mb,
             "earliest": e,
         }
 
@@ -269,11 +294,13 @@ class MemoryProfile:
         if m.ndim != 2 or m.shape[1] != len(self.tensors) or not m.any(axis=1).all():
             raise ConfigError(f"masks must be non-empty bool rows of length {len(self.tensors)}")
         first = m.argmax(axis=1)
-        steady = self.base_mb + m @ self.tensor_mb + self.earliest_mb[first]
+        slack = self._suffix_grad_mb()[first] - np.where(m, self.grad_mb, 0.0).max(axis=1)
+        steady = self.base_mb + m @ self.tensor_mb + self.earliest_mb[first] - slack
         return np.maximum(self.load_mb, steady)
 
     def min_feasible_mb(self) -> float:
-        """Smallest memory budget (MiB) under which some single tensor can be trained."""
+        """Smallest memory budget (MiB) under which the DP can train some single tensor (by its
+        costs, :class:`etgraph.selection.MemoryCosts`: the suffix workspace, an upper bound)."""
         return float(
             max(self.load_mb, self.base_mb + float(np.min(self.tensor_mb + self.earliest_mb)))
         )

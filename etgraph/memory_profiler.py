@@ -29,8 +29,9 @@ affine maps.
   counts differ by less than 16 MiB of buffers (a small model) the RSS noise hides the slope and
   the theoretical 12 bytes are used;
 * ``earliest_mb`` at each anchor: RSS after the steps minus RSS after building the sessions (the
-  arena's workspace for a backward pass down to ``e``), interpolated between anchors by
-  :func:`etgraph.memory.interpolate_earliest_mb`.
+  arena's workspace for a backward pass down to ``e``); less the suffix's largest weight-gradient
+  temporary (``grad_mb``), interpolated between anchors by
+  :func:`etgraph.memory.interpolate_earliest_mb`, and that temporary added back.
 
 The child process runs :func:`etgraph.memory_child.main` (``python -c``), with this package first on
 its path.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -66,7 +68,7 @@ from .model import LoadedModel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["anchor_indices", "measure_peaks", "profile_memory"]
+__all__ = ["anchor_indices", "fit_memory_profile", "measure_peaks", "profile_memory"]
 
 _MIB = float(1 << 20)
 #: Bytes a selected float32 parameter adds: its gradient buffer and two AdamW moments.
@@ -165,20 +167,35 @@ def anchor_indices(proxy: np.ndarray, anchors: int) -> list[int]:
     return sorted(chosen)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its waited-for children."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _workspace_mb(run: dict) -> float:
     """The step's workspace of one measured selection: RSS after the steps minus after the
     sessions were built, MiB (>= 0)."""
     return max(run["steps"]["VmRSS"] - run["session"]["VmRSS"], 0.0)
 
 
-def _refinements(points: list[int], raw: list[dict]) -> list[int]:
-    """Midpoints of adjacent anchors whose workspaces differ by more than
-    :data:`_REFINE_MB` or a quarter of the largest workspace: where the workspace moves more
-    than the activation proxy can be trusted to interpolate (a MobileNetV2 block near the input
-    drops it 110 MiB within three tensors; ResNet50's falls smoothly, no refinement)."""
+def _suffix_grad_mb(params: np.ndarray) -> np.ndarray:
+    """float64 [N] MiB: the largest float32 weight gradient among tensors ``e .. N-1``."""
+    return np.maximum.accumulate((params * 4 / _MIB)[::-1])[::-1]
+
+
+def _refinements(points: list[int], raw: list[dict], suffix_grad_mb: np.ndarray) -> list[int]:
+    """Midpoints of adjacent anchors whose workspaces, less the suffix's largest weight
+    gradient (known, :func:`_suffix_grad_mb`), differ by more than :data:`_REFINE_MB` or a
+    quarter of the largest: where the workspace moves more than the activation proxy can be
+    trusted to interpolate (a MobileNetV2 block near the input drops it 110 MiB within three
+    tensors; ResNet50's falls smoothly, no refinement)."""
     order = np.argsort(points)
     idx = np.asarray(points)[order]
-    ws = np.array([_workspace_mb(r) for r in raw])[order]
+    ws = np.array([_workspace_mb(r) for r in raw])[order] - suffix_grad_mb[idx]
     limit = max(_REFINE_MB, 0.25 * float(ws.max()))
     return [
         int((a + b) // 2)
@@ -208,6 +225,75 @@ def image_input_shape(model: LoadedModel, input_shapes=None) -> tuple[int, ...]:
             "drop --memory-mb"
         )
     return tuple(model.input_shapes(input_shapes)[specs[0].name])
+
+
+def fit_memory_profile(
+    model: LoadedModel,
+    proxy: np.ndarray,
+    points: Sequence[int],
+    raw: Sequence[dict],
+    *,
+    batch_size: int,
+    input_shape: Sequence[int],
+    threads: int,
+    frozen_bn: str,
+) -> MemoryProfile:
+    """The :class:`etgraph.memory.MemoryProfile` fitted to measured anchor selections (module
+    docstring): ``raw[i]`` is :func:`measure_peaks`'s record of the suffix selection from
+    tensor ``points[i]``; ``proxy`` is :func:`etgraph.memory.activation_bytes_after` (float
+    [N]). Pure arithmetic: a profile can be re-fitted to a stored profile's ``measurements``.
+
+    Raises:
+        ConfigError: no anchors, or an anchor index out of range.
+    """
+    n = len(model.tensors)
+    params = np.array([t.params for t in model.tensors], dtype=np.float64)
+    masks = []
+    for e in points:
+        mask = np.zeros(n, dtype=bool)
+        mask[int(e) :] = True
+        masks.append(mask)
+    points = [int(e) for e in points]
+    shape = tuple(int(d) for d in input_shape)
+    selected = np.array([params[m].sum() for m in masks])
+    session_rss = np.array([r["session"]["VmRSS"] for r in raw])
+    design = np.stack([np.ones(len(masks)), selected], axis=1)
+    (base_mb, mb_per_param), *_ = np.linalg.lstsq(design, session_rss, rcond=None)
+    resolvable = (selected.max() - selected.min()) * _THEORY_BYTES_PER_PARAM / _MIB >= 16.0
+    if not resolvable or not 4.0 <= mb_per_param * _MIB <= 40.0:
+        # Too few parameters to see their buffers above the RSS noise (a few MiB): take the
+        # allocations as known, a gradient buffer and two AdamW moments of float32.
+        mb_per_param = _THEORY_BYTES_PER_PARAM / _MIB
+        base_mb = float(np.mean(session_rss - selected * mb_per_param))
+    workspace = np.array([_workspace_mb(r) for r in raw])
+    # The suffix's largest weight-gradient temporary steps where a big layer enters the suffix;
+    # the rest (activations) follows the activation proxy: interpolate that, add the step back.
+    suffix_grad_mb = _suffix_grad_mb(params)
+    rest = np.maximum(workspace - suffix_grad_mb[points], 0.0)
+    earliest_mb = interpolate_earliest_mb(points, rest, proxy) + suffix_grad_mb
+    prof = MemoryProfile(
+        model_hash=model.hash,
+        tensors=list(model.names),
+        tensor_mb=params * mb_per_param,
+        earliest_mb=earliest_mb,
+        base_mb=float(base_mb),
+        load_mb=float(max(r["loaded"]["VmHWM"] for r in raw)),
+        import_mb=float(np.median([r["imported"]["VmRSS"] for r in raw])),
+        weights_mb=float(params.sum() * 4 / _MIB),
+        bytes_per_param=mb_per_param * _MIB,
+        batch_size=int(batch_size),
+        input_shape=tuple(shape),
+        threads=threads,
+        frozen_bn=frozen_bn,
+        ort_version=ort.__version__,
+        host=host_description(),
+        anchors=points,
+        measurements=[
+            {"mask_from": int(e), "selected_params": int(p), "rss": r}
+            for e, p, r in zip(points, selected, raw, strict=True)
+        ],
+    )
+    return prof
 
 
 def profile_memory(
@@ -279,15 +365,14 @@ def profile_memory(
             log.info("memory profile cache hit: %s", cache_path)
             return cached
 
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), _cpu_s()
     n = len(model.tensors)
-    params = np.array([t.params for t in model.tensors], dtype=np.float64)
     model_b = model.with_batch(batch_size, {model.inputs[0].name: shape})
     proxy = activation_bytes_after(model_b, [t.layer for t in model.tensors])
     points: list[int] = []
-    masks: list[np.ndarray] = []
     raw: list[dict] = []
     todo = anchor_indices(proxy, anchors)
+    suffix_grad = _suffix_grad_mb(np.array([t.params for t in model.tensors], dtype=np.float64))
     with tempfile.TemporaryDirectory(prefix="etgraph-memory-") as work:
         cache = artifact_cache if artifact_cache is not None else ArtifactCache(work)
         for _ in range(refine + 1):
@@ -314,53 +399,30 @@ def profile_memory(
                 fresh=fresh,
             )
             points += todo
-            masks += new_masks
-            todo = _refinements(points, raw)
-    selected = np.array([params[m].sum() for m in masks])
-    session_rss = np.array([r["session"]["VmRSS"] for r in raw])
-    design = np.stack([np.ones(len(masks)), selected], axis=1)
-    (base_mb, mb_per_param), *_ = np.linalg.lstsq(design, session_rss, rcond=None)
-    resolvable = (selected.max() - selected.min()) * _THEORY_BYTES_PER_PARAM / _MIB >= 16.0
-    if not resolvable or not 4.0 <= mb_per_param * _MIB <= 40.0:
-        # Too few parameters to see their buffers above the RSS noise (a few MiB): take the
-        # allocations as known, a gradient buffer and two AdamW moments of float32.
-        mb_per_param = _THEORY_BYTES_PER_PARAM / _MIB
-        base_mb = float(np.mean(session_rss - selected * mb_per_param))
-    workspace = np.array([_workspace_mb(r) for r in raw])
-    earliest_mb = interpolate_earliest_mb(points, workspace, proxy)
-    prof = MemoryProfile(
-        model_hash=model.hash,
-        tensors=list(model.names),
-        tensor_mb=params * mb_per_param,
-        earliest_mb=earliest_mb,
-        base_mb=float(base_mb),
-        load_mb=float(max(r["loaded"]["VmHWM"] for r in raw)),
-        import_mb=float(np.median([r["imported"]["VmRSS"] for r in raw])),
-        weights_mb=float(params.sum() * 4 / _MIB),
-        bytes_per_param=mb_per_param * _MIB,
-        batch_size=int(batch_size),
-        input_shape=tuple(shape),
+            todo = _refinements(points, raw, suffix_grad)
+    prof = fit_memory_profile(
+        model,
+        proxy,
+        points,
+        raw,
+        batch_size=batch_size,
+        input_shape=shape,
         threads=threads,
         frozen_bn=frozen_bn,
-        ort_version=ort.__version__,
-        host=host_description(),
-        anchors=points,
-        measurements=[
-            {"mask_from": int(e), "selected_params": int(p), "rss": r}
-            for e, p, r in zip(points, selected, raw, strict=True)
-        ],
     )
     prof.profiling_s = time.perf_counter() - start
+    prof.profiling_cpu_s = _cpu_s() - start_cpu
     log.info(
-        "memory profile (--frozen-bn %s): %d selections in %.1f s, base %.0f MiB, %.1f B/param, "
-        "workspace %.0f..%.0f MiB",
+        "memory profile (--frozen-bn %s): %d selections in %.1f s (%.1f s CPU), base %.0f MiB, "
+        "%.1f B/param, workspace %.0f..%.0f MiB",
         frozen_bn,
-        len(masks),
+        len(points),
         prof.profiling_s,
+        prof.profiling_cpu_s,
         prof.base_mb,
         prof.bytes_per_param,
-        earliest_mb.min(),
-        earliest_mb.max(),
+        prof.earliest_mb.min(),
+        prof.earliest_mb.max(),
     )
     if cache_path is not None:
         prof.save(cache_path)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +24,21 @@ from etgraph.memory import (
     interpolate_earliest_mb,
     memory_key,
 )
-from etgraph.memory_profiler import image_input_shape, measure_peaks, profile_memory
+from etgraph.memory_profiler import (
+    fit_memory_profile,
+    image_input_shape,
+    measure_peaks,
+    profile_memory,
+)
 from etgraph.model import LoadedModel
 from etgraph.selection import MemoryCosts
-from etgraph.sessions import ROLES, OrtConfig, session_options
+from etgraph.sessions import (
+    ROLES,
+    OrtConfig,
+    inference_session,
+    session_options,
+    shrink_shared_arena,
+)
 
 
 def _profile(n=4):
@@ -66,6 +78,30 @@ def test_parts_and_peak():
         prof.peak_mb(np.zeros(4, dtype=bool))
     with pytest.raises(ConfigError, match="expected \\(4,\\)"):
         prof.peak_mb(np.ones(3, dtype=bool))
+
+
+def test_a_selection_without_the_largest_gradient_needs_less_workspace():
+    """earliest_mb is the suffix's workspace, which holds the suffix's largest weight-gradient
+    temporary (4 bytes per parameter); a selection without it is predicted that much lower, by
+    the DP's costs (an upper bound) it is not."""
+    prof = _profile()
+    prof.tensor_mb = np.array([1.0, 30.0, 3.0, 6.0])  # 12 B/param: gradients 1/3 of these
+    suffix = np.array([False, True, True, True])
+    sparse = np.array([False, True, False, True])
+    without_big = np.array([False, False, True, True])
+    assert prof.parts_mb(suffix)["gradient_slack_mb"] == 0.0
+    assert prof.parts_mb(sparse)["gradient_slack_mb"] == 0.0  # the big gradient is selected
+    # earliest 2: the suffix from 2 holds gradients of 1 and 2 MiB, the selection the 2: no slack
+    assert prof.parts_mb(without_big)["gradient_slack_mb"] == 0.0
+    late = np.array([True, False, False, True])  # suffix from 0 holds the 10 MiB gradient
+    parts = prof.parts_mb(late)
+    assert parts["gradient_slack_mb"] == pytest.approx(10.0 - 2.0)
+    assert parts["workspace_mb"] == pytest.approx(40.0 - 8.0)
+    assert parts["peak_mb"] == pytest.approx(100.0 + 1.0 + 6.0 + 32.0)
+    masks = np.array([suffix, sparse, without_big, late])
+    assert np.allclose(prof.peak_mb_many(masks), [prof.peak_mb(m) for m in masks])
+    costs = MemoryCosts.from_profile(prof, 500.0)
+    assert costs.peak_mb(late) == pytest.approx(prof.peak_mb(late) + 8.0)
 
 
 def test_json_round_trip_and_version(tmp_path):
@@ -118,6 +154,38 @@ def test_every_session_role_allocates_from_the_shared_arena():
         plain.get_session_config_entry("session.use_env_allocators")
 
 
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_shrinking_the_shared_arena_returns_free_regions():
+    """A 64 MiB intermediate lands in the shared arena; once its session is released, the
+    arena keeps it (ORT's arenas never return memory) until shrink_shared_arena()."""
+    nodes = [
+        helper.make_node("Expand", ["x", "shape"], ["big"], name="expand"),
+        helper.make_node("ReduceSum", ["big"], ["y"], name="sum", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        [helper.make_tensor("shape", TensorProto.INT64, [1], [16 << 20])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    shrink_shared_arena()
+    sess = inference_session(model.SerializeToString(), session_options(1, role="eval"))
+    assert sess.run(None, {"x": np.ones(1, dtype=np.float32)})[0] == pytest.approx(16 << 20)
+    del sess
+    held = _rss_mb()
+    shrink_shared_arena()
+    assert _rss_mb() < held - 48.0
+
+
 def test_interpolation_is_exact_at_anchors_and_follows_the_proxy():
     proxy = np.array([100.0, 80.0, 70.0, 40.0, 10.0, 10.0, 0.0])
     out = interpolate_earliest_mb([6, 0, 3], [5.0, 50.0, 20.0], proxy)
@@ -141,6 +209,49 @@ def test_activation_bytes_after_default_model():
     assert proxy[0] >= 4 * 32 * 32 * 4
     with pytest.raises(ConfigError, match="not a node"):
         activation_bytes_after(model.proto, ["nope"])
+
+
+def test_fit_memory_profile_to_synthetic_anchors():
+    """The fit recovers a known model from anchor records (no measurement): base and the
+    theoretical 12 B/param for a small model, the start-up floor, the workspaces exact at the
+    anchors (the suffix's largest gradient added back after interpolating the rest)."""
+    model = LoadedModel.load(DEFAULT_MODEL_PATH)
+    n = len(model.tensors)
+    params = np.array([t.params for t in model.tensors], dtype=np.float64)
+    proxy = activation_bytes_after(
+        model.with_batch(4, model.input_shapes()), [t.layer for t in model.tensors]
+    )
+    points = [n - 1, n // 2, 0]
+    workspace = {n - 1: 5.0, n // 2: 20.0, 0: 60.0}
+
+    def record(e):
+        session = 300.0 + params[e:].sum() * 12 / 2**20
+        return {
+            "imported": {"VmRSS": 250.0, "VmHWM": 250.0},
+            "loaded": {"VmRSS": 290.0, "VmHWM": 310.0 + e},
+            "session": {"VmRSS": session, "VmHWM": 320.0},
+            "steps": {"VmRSS": session + workspace[e], "VmHWM": session + workspace[e]},
+        }
+
+    prof = fit_memory_profile(
+        model,
+        proxy,
+        points,
+        [record(e) for e in points],
+        batch_size=4,
+        input_shape=(3, 32, 32),
+        threads=2,
+        frozen_bn="train",
+    )
+    assert prof.bytes_per_param == 12.0 and prof.base_mb == pytest.approx(300.0)
+    assert prof.load_mb == 310.0 + n - 1 and prof.frozen_bn == "train"
+    assert prof.import_mb == 250.0
+    for e, w in workspace.items():
+        assert prof.earliest_mb[e] == pytest.approx(w)
+        suffix = np.zeros(n, dtype=bool)
+        suffix[e:] = True
+        assert prof.peak_mb(suffix) == pytest.approx(max(prof.load_mb, record(e)["steps"]["VmHWM"]))
+    assert np.all(np.diff(prof.earliest_mb) <= 1e-9)  # the proxy falls: so does the workspace
 
 
 @pytest.mark.slow
