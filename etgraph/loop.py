@@ -84,6 +84,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 from tqdm import tqdm
 
 from passes.onnx import DEFAULT_FROZEN_BN
@@ -92,6 +93,7 @@ from .artifacts import (
     ArtifactCache,
     ArtifactPaths,
     check_frozen_bn,
+    export_inference_model,
     lazy_initializer_values,
     placeholder_weights,
 )
@@ -112,7 +114,7 @@ from .host import (
     rss_mb,
 )
 from .importance import ImportanceEvaluator, gradient_chunks
-from .labels import save_class_names, stamp_onnx
+from .labels import save_class_names, set_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .onnx_io import export_with_original_outputs, original_outputs, restore_head
@@ -321,10 +323,6 @@ FINISH_S = 2.5
 #: on ResNet50 128 px (143 and 217 MiB files, moments included); budgeted as 2.
 CHECKPOINT_SAVE_COPIES = 2.0
 
-#: Copies of the weights ``Module.export_model_for_inferencing`` holds at its peak beside the
-#: session it exports from (the last period's, rebuilt from its checkpoint, no step taken):
-#: 1.9-3.0x measured on ResNet50 128 px; budgeted as 3 (it exceeds the save's 2 copies).
-EXPORT_WEIGHT_COPIES = 3.0
 
 #: Untimed full steps before each timed reference step: the elastic steps around it have warm
 #: caches, and so would full training's.
@@ -366,6 +364,10 @@ def reference_ratio(
 def _memory_log(what: str) -> None:
     """Debug log of this process's resident memory and peak (MiB) after ``what``."""
     log.debug("memory after %s: RSS %.0f MiB, peak %.0f MiB", what, rss_mb(), peak_rss_mb())
+
+
+def _file_mb(path: Path) -> float:
+    return path.stat().st_size / float(1 << 20)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -471,8 +473,7 @@ class _Run:
             session_only = dataclasses.replace(
                 memory,
                 tensor_mb=mp.tensor_mb,
-                base_mb=memory.base_mb
-                - max(CHECKPOINT_SAVE_COPIES, EXPORT_WEIGHT_COPIES) * mp.weights_mb,
+                base_mb=memory.base_mb - CHECKPOINT_SAVE_COPIES * mp.weights_mb,
             )
             chunks = gradient_chunks(session_only.peak_mb, len(self.names), memory.budget_mb)
         if self._evaluator is None or self._evaluator.chunks != chunks:
@@ -514,11 +515,10 @@ class _Run:
         if self._startup_peak_mb is None:  # what loading the model took, already spent
             self._startup_peak_mb = peak_rss_mb()
         moments_mb = mp.tensor_mb * (8.0 / mp.bytes_per_param)  # 2 float32 moments / param
-        copies = max(CHECKPOINT_SAVE_COPIES, EXPORT_WEIGHT_COPIES)
         return dataclasses.replace(
             MemoryCosts.from_profile(mp, self.config.memory_mb),
             tensor_mb=mp.tensor_mb + CHECKPOINT_SAVE_COPIES * moments_mb,
-            base_mb=mp.base_mb + overhead + copies * mp.weights_mb,
+            base_mb=mp.base_mb + overhead + CHECKPOINT_SAVE_COPIES * mp.weights_mb,
             floor_mb=max(mp.load_mb + overhead, self._startup_peak_mb),
         )
 
@@ -712,14 +712,21 @@ class _Run:
                 timings = None  # re-selection is charged to the period's first epoch only
                 records.append(asdict(record))
                 append_log(self.out, records[-1])
+            _memory_log(f"period {period}'s epochs")
             reset_peak_rss()  # the next period's peak counts from here (checkpoint save on)
+            if self.bounded:  # the save builds the file in memory: the workspace goes first
+                session.release_sessions()
+                release_native_memory()
+                _memory_log("releasing the sessions")
             t0 = time.perf_counter()
             self._save_checkpoint(session, period_end, mask)
-            _memory_log("saving the checkpoint")
+            _memory_log(f"saving the checkpoint ({_file_mb(self.out / CHECKPOINT_FILE):.0f} MiB)")
             log.debug("checkpoint after epoch %d: %.3f s", period_end, time.perf_counter() - t0)
             period_start = period_end
-        if self.bounded:  # _finish opens it again from the checkpoint, the only reference
+        if self.bounded:  # _finish exports from the checkpoint without a session
             session = None
+            gc.collect()
+            release_native_memory()
         return self._finish(session, records)
 
     def _reselect(
@@ -977,20 +984,30 @@ class _Run:
     def _finish(self, session: TrainingSession | None, records: list[dict]) -> TrainResult:
         """Export the trained model, score it, plot, summarise; remove the session directory."""
         cfg = self.config
-        if session is None:  # resumed after the last checkpoint: rebuild from it
-            session = self._session_from_checkpoint()
         trained = self.out / TRAINED_MODEL_FILE
-        _memory_log("the last session")
-        session.export_inference_model(trained, [self.model.output_name])
+        stamped = False
+        if self.bounded:  # no session: the eval graph and the checkpoint's weights, streamed
+            ckpt = self.out / CHECKPOINT_FILE
+            _, requires_grad, _ = read_checkpoint(ckpt, copy=False, moments=False)
+            selected = set(requires_grad)
+            paths, _, _ = self.artifacts(np.array([n in selected for n in self.names]))
+            labelled = onnx.ModelProto()
+            if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
+                set_class_names(labelled, self.dataset.class_names)
+            metadata = {p.key: p.value for p in labelled.metadata_props}
+            export_inference_model(
+                paths.eval_model, ckpt, trained, [self.model.output_name], metadata
+            )
+            stamped = True
+        else:
+            if session is None:  # resumed after the last checkpoint: rebuild from it
+                session = self._session_from_checkpoint()
+            session.export_inference_model(trained, [self.model.output_name])
         _memory_log("export")
-        if self.bounded:  # scored in an inference session: the training one is released first
-            session = None
-            gc.collect()
-            release_native_memory()
         if self.model.head is not None:  # the original model's output meaning, restored
             restore_head(trained, self.model.head)
         self._export_original_outputs(trained)
-        if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
+        if self.dataset.class_names and not stamped:
             stamp_onnx(trained, self.dataset.class_names)
         _, inference_acc = evaluate_onnx(
             trained,
