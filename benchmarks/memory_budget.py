@@ -264,7 +264,11 @@ def whole_runs(compiled: Path, rho: float, budgets, data: Path, steps: int, json
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        note = f"{r['budget_mb']}" + (" (60% infeasible)" if r["infeasible"] else "")
+        asked = r["requested"]
+        asked = f"{100 * asked:.0f}% of full" if asked <= 1 else f"{asked:.0f} MiB"
+        note = f"{r['budget_mb']}" + (
+            f" ({asked} infeasible: smallest + 5%)" if r["infeasible"] else f" ({asked})"
+        )
         print(
             f"| {r['model']} | {r['full_run_peak_mb']:.0f} | {note} | "
             f"{'/'.join(map(str, r['tensors']))} | {100 * r['importance_kept']:.0f}% | "
