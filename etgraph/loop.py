@@ -102,6 +102,7 @@ from .data import DEFAULT_PREPROCESS, Preprocess, load_task_data
 from .errors import (
     ConfigError,
     DataError,
+    InfeasibleMemoryError,
     ModelError,
     ProfileMismatchError,
     TrainingDivergedError,
@@ -113,7 +114,7 @@ from .host import (
     reset_peak_rss,
     rss_mb,
 )
-from .importance import ImportanceEvaluator, gradient_chunks
+from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
 from .labels import save_class_names, set_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
@@ -511,6 +512,8 @@ class _Run:
         gc.collect()
         release_native_memory()
         overhead = max(0.0, rss_mb() - mp.import_mb)
+        if self._evaluator is None and self.config.strategy in IMPORTANCE_STRATEGIES:
+            overhead += SCRATCH_MB  # the evaluator about to be built keeps its scratch
         _memory_log(f"release (resident beyond the model's libraries {overhead:.0f} MiB)")
         if self._startup_peak_mb is None:  # what loading the model took, already spent
             self._startup_peak_mb = peak_rss_mb()
@@ -767,15 +770,33 @@ class _Run:
             p = self.profile
             time_model = self.fit.time_model(p.t_dw_us, p.t_dy_us, p.forward_us, self.rho)
         fit_s = time.perf_counter() - t1
-        mask = strategy_mask(
-            cfg.strategy,
-            self.tensors,
-            time_model,
-            self.rho,
-            importance,
-            resolution=cfg.resolution,
-            memory=memory,
-        )
+        try:
+            mask = strategy_mask(
+                cfg.strategy,
+                self.tensors,
+                time_model,
+                self.rho,
+                importance,
+                resolution=cfg.resolution,
+                memory=memory,
+            )
+        except InfeasibleMemoryError as exc:
+            if not records:  # the budget cannot hold from the start: the one-line error
+                raise
+            # The process grew since the run started (its resident memory beyond the model's
+            # libraries is measured every period): finish at the smallest peak rather than
+            # lose the run; the log shows the excess.
+            log.warning("%s: this period trains at that peak instead", exc)
+            memory = dataclasses.replace(memory, budget_mb=exc.min_memory_mb)
+            mask = strategy_mask(
+                cfg.strategy,
+                self.tensors,
+                time_model,
+                self.rho,
+                importance,
+                resolution=cfg.resolution,
+                memory=memory,
+            )
         self._predicted_peak_mb = None if memory is None else memory.peak_mb(mask)
         t2 = time.perf_counter()
         cache_hit = None
