@@ -246,7 +246,9 @@ def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
     mem = profile_memory(default_model, batch_size=4, threads=prof.threads, cache_dir=tmp_path)
     floor = min_feasible_rho(prof.t_dw_us, prof.t_dy_us, prof.forward_us, prof.t_full_us)
     rho = round(min(0.95, max(0.6, floor + 0.1)), 3)  # feasible on a short fixture profile
-    base = TrainConfig(epochs=3, period=1, max_steps_per_epoch=4, max_val_batches=2, rho=rho)
+    base = TrainConfig(  # the DP resolution a budget uses by default, for both runs
+        epochs=3, period=1, max_steps_per_epoch=4, max_val_batches=2, rho=rho, resolution=1000
+    )
     base = dataclasses.replace(base, closed_loop=False)
     runs = {}
     for name, budget in (("free", None), ("bounded", 4 * mem.full_peak_mb)):
