@@ -46,14 +46,19 @@ only the selection's session: at any moment one heavy thing is alive. The model'
 the process at the start (:func:`etgraph.artifacts.placeholder_weights`; they go to a checkpoint
 file, written from the model's bytes tensor by tensor), artifacts are generated from the
 placeholders (graphs only: every session starts from a checkpoint etgraph writes), and the
-state always goes through a file: a period's session is saved and released before importance,
-importance runs chunk by chunk (:func:`etgraph.importance.gradient_chunks`), and the next
-session's checkpoint is rewritten from a view of the file before the session opens. The
-process's own resident memory beyond the memory model's libraries (data, interpreter objects)
-is measured before every selection and added to the model's base. No full reference steps are
+state always goes through a file: at a period's end the Module and Optimizer are released and
+the state saved, importance runs chunk by chunk with no other session open
+(:func:`etgraph.importance.gradient_chunks`), the next session's checkpoint is rewritten from a
+mapped view of the file, and the trained model is exported from the checkpoint without a session
+(:func:`etgraph.artifacts.export_inference_model`). The selection is budgeted for the run
+(:meth:`_Run.memory_costs`: the memory model, the process's own resident memory beyond the
+model's libraries measured before every selection, and ORT's checkpoint save,
+:data:`CHECKPOINT_SAVE_COPIES`); the DP runs at :data:`MEMORY_DP_RESOLUTION` time units. glibc's
+mmap threshold is fixed (:func:`etgraph.host.limit_heap_retention`). No full reference steps are
 taken (a full training step does not fit the budget): the loop runs open, ``rho_measured`` is
-NaN. ``peak_rss_mb`` in the log is the process's ``VmHWM`` since the end of the previous
-period (the first period's includes start-up), so the largest one is the run's peak.
+NaN. ``peak_rss_mb`` in the log is the process's ``VmHWM`` since the end of the previous period
+(the first period's includes start-up; a period's checkpoint save counts in the next period's
+records), so the largest one is the run's peak.
 
 **Outputs** in the run directory (:mod:`etgraph.rundir`): ``log.jsonl``, ``checkpoint`` (after
 every period, atomic), ``model_trained.onnx`` (plain inference model; its ``metadata_props``
