@@ -486,7 +486,9 @@ class _Run:
             session_only = dataclasses.replace(
                 memory,
                 tensor_mb=mp.tensor_mb,
-                base_mb=memory.base_mb - CHECKPOINT_SAVE_COPIES * mp.weights_mb,
+                base_mb=memory.base_mb
+                - CHECKPOINT_SAVE_COPIES * mp.weights_mb
+                - float(mp.earliest_mb[-1]),
             )
             chunks = gradient_chunks(session_only.peak_mb, len(self.names), memory.budget_mb)
         if self._evaluator is None or self._evaluator.chunks != chunks:
@@ -514,9 +516,11 @@ class _Run:
         """The memory side of this period's selection: the whole run's peak (module
         docstring), MiB. The memory model (the selection's training process), plus this
         process's resident memory beyond the model's libraries (measured now, with no session
-        and no weights held) on its base and start-up floor, plus saving the period's
-        checkpoint beside the live session (:data:`CHECKPOINT_SAVE_COPIES` copies of the file:
-        every weight, and two AdamW moments per selected parameter). None without a budget.
+        and no weights held) on its base and start-up floor, plus validation's eval session
+        (its arena keeps a forward pass: about ``earliest_mb[-1]``), plus saving the period's
+        checkpoint (:data:`CHECKPOINT_SAVE_COPIES` copies of the file: every weight, and two
+        AdamW moments per selected parameter). The floor is at least the process's start-up
+        peak (loading the model). None without a budget.
         """
         if self.config.memory_mb is None:
             return None
@@ -530,10 +534,13 @@ class _Run:
         if self._startup_peak_mb is None:  # what loading the model took, already spent
             self._startup_peak_mb = peak_rss_mb()
         moments_mb = mp.tensor_mb * (8.0 / mp.bytes_per_param)  # 2 float32 moments / param
+        # Validation runs the eval session, whose arena keeps a forward pass's activations:
+        # about the workspace of training the last tensor alone (forward + one layer back).
+        validation_mb = float(mp.earliest_mb[-1])
         return dataclasses.replace(
             MemoryCosts.from_profile(mp, self.config.memory_mb),
             tensor_mb=mp.tensor_mb + CHECKPOINT_SAVE_COPIES * moments_mb,
-            base_mb=mp.base_mb + overhead + CHECKPOINT_SAVE_COPIES * mp.weights_mb,
+            base_mb=mp.base_mb + overhead + validation_mb + CHECKPOINT_SAVE_COPIES * mp.weights_mb,
             floor_mb=max(mp.load_mb + overhead, self._startup_peak_mb),
         )
 
