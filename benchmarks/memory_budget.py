@@ -229,6 +229,10 @@ def whole_runs(compiled: Path, rho: float, budgets, data: Path, steps: int, json
     t_mask = first_selection(timed)
     full_step = float(np.median([r["median_step_us"] for r in full["records"]]))
     for b, budget, infeasible, run in cases:
+        if "error" in run:
+            print(f"| {compiled.name} | budget {budget} MiB | failed: {run['error']} |")
+            rows.append({"model": compiled.name, "budget_mb": budget, "error": run["error"]})
+            continue
         recs = run["records"]
         mask = first_selection(run)
         rows.append(
@@ -264,7 +268,13 @@ def whole_runs(compiled: Path, rho: float, budgets, data: Path, steps: int, json
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        note = f"{r['budget_mb']}" + (" (60% infeasible)" if r["infeasible"] else "")
+        if "error" in r:
+            continue
+        asked = r["requested"]
+        asked = f"{100 * asked:.0f}% of full" if asked <= 1 else f"{asked:.0f} MiB"
+        note = f"{r['budget_mb']}" + (
+            f" ({asked} infeasible: smallest + 5%)" if r["infeasible"] else f" ({asked})"
+        )
         print(
             f"| {r['model']} | {r['full_run_peak_mb']:.0f} | {note} | "
             f"{'/'.join(map(str, r['tensors']))} | {100 * r['importance_kept']:.0f}% | "

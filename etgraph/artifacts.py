@@ -55,7 +55,7 @@ from passes.onnx import (
 )
 
 from . import files
-from .checkpoint import CarriedState, write_checkpoint
+from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .errors import ConfigError, ModelError, first_line
 from .onnx_io import model_structure
 
@@ -423,3 +423,92 @@ class ArtifactCache:
         """Delete the temporary directories (``.<key>.<random>``) :func:`generate` leaves when
         its process is killed mid-generation. Only for a root no other process is writing to."""
         files.remove_temporaries(self.root)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _length_prefix(field: int, length: int) -> bytes:
+    """Protobuf tag (wire type 2) and length of a field of ``length`` bytes."""
+    return _varint(field << 3 | 2) + _varint(length)
+
+
+#: Field numbers of onnx.proto used by :func:`export_inference_model`'s streamed writing.
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def export_inference_model(
+    eval_model: str | os.PathLike,
+    checkpoint: str | os.PathLike,
+    path: str | os.PathLike,
+    output_names: Sequence[str],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write the inference model of a selection's eval model with the weights of a checkpoint
+    (what ``Module.export_model_for_inferencing`` writes), without an ORT session and without
+    holding the weights twice; atomically.
+
+    The eval model (parameters as graph inputs, no weights) keeps ``output_names`` as its
+    outputs and only the nodes they need; every parameter input it still reads becomes an
+    initializer with the checkpoint's value, other unused inputs (the loss's target) go. The
+    file is the serialized graph followed by one ``graph { initializer }`` record per weight,
+    each written straight from the checkpoint's mapped bytes: protobuf merges repeated
+    occurrences of a message field, so onnx and ORT read one graph (memory: one tensor's
+    header at a time, instead of ~3 copies of the weights beside the session with ORT's export:
+    +280 MiB on ResNet50 128 px).
+
+    Args:
+        eval_model: the artifacts' ``eval_model.onnx``. checkpoint: an ORT checkpoint holding
+            every parameter it reads. path: the ONNX file to write.
+        output_names: outputs kept, in order. metadata: ``metadata_props`` entries to set.
+
+    Raises:
+        ConfigError: an output is not one of the eval model's.
+        CheckpointError: the checkpoint cannot be read.
+    """
+    model = onnx.load(str(eval_model))
+    graph = model.graph
+    outputs = {o.name: o for o in graph.output}
+    missing = [n for n in output_names if n not in outputs]
+    if missing:
+        raise ConfigError(f"the eval model has no output {missing[0]!r}")
+    kept_outputs = [outputs[n] for n in output_names]
+    needed, nodes = set(output_names), []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            nodes.append(node)
+            needed.update(i for i in node.input if i)
+    nodes.reverse()
+    state, _, _ = read_checkpoint(checkpoint, copy=False, moments=False)
+    params = [i.name for i in graph.input if i.name in state.weights and i.name in needed]
+    inputs = [i for i in graph.input if i.name not in state.weights and i.name in needed]
+    for field, values in (("output", kept_outputs), ("node", nodes), ("input", inputs)):
+        kept = [type(v)() for v in values]
+        for copy, value in zip(kept, values, strict=True):
+            copy.CopyFrom(value)
+        graph.ClearField(field)
+        getattr(graph, field).extend(kept)
+    for key, value in (metadata or {}).items():
+        model.metadata_props.add(key=key, value=value)
+    with files.atomic_target(path) as tmp, open(tmp, "wb") as f:
+        f.write(model.SerializeToString())
+        for name in params:
+            array = np.ascontiguousarray(state.weights[name])
+            header = onnx.TensorProto(
+                name=name,
+                data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
+                dims=array.shape,
+            ).SerializeToString()
+            raw = _length_prefix(_TENSOR_RAW_DATA, array.nbytes)
+            tensor_len = len(header) + len(raw) + array.nbytes
+            initializer = _length_prefix(_GRAPH_INITIALIZER, tensor_len)
+            f.write(_length_prefix(_MODEL_GRAPH, len(initializer) + tensor_len))
+            f.write(initializer + header + raw)
+            f.write(memoryview(array).cast("B"))
+        os.chmod(tmp, 0o644)

@@ -16,6 +16,7 @@ ort_flatbuffers_py``; file identifier ``ODTC``, version 2, one optimizer group `
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,15 @@ class CarriedState:
     step: int = 0
 
 
+def _mapped(path: Path) -> mmap.mmap | bytes:
+    """The file mapped read-only (the mapping lives as long as views into it); an empty file's
+    bytes (it cannot be mapped)."""
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 def _tensor_to_array(t, copy: bool = True) -> np.ndarray:
     dtype = helper.tensor_dtype_to_np_dtype(t.DataType())
     dims = tuple(int(d) for d in t.DimsAsNumpy()) if t.DimsLength() else ()
@@ -68,9 +78,10 @@ def read_checkpoint(
 
     Args:
         path: checkpoint file (``CheckpointState.save_checkpoint`` or :func:`write_checkpoint`).
-        copy: False: the arrays are read-only views into one buffer of the file's bytes (memory:
-            the file once, instead of the file and the arrays while reading — what a checkpoint
-            rewrite under a memory budget needs, :func:`write_checkpoint` copies them out).
+        copy: False: the arrays are read-only views into the file mapped into memory (memory:
+            only the pages read become resident, once, instead of the whole file and the
+            arrays while reading — what a checkpoint rewrite under a memory budget needs,
+            :func:`write_checkpoint` copies them out; skipped moments are never read).
         moments: False: the optimizer moments are not read (``state.moments`` empty; the step
             is read).
 
@@ -84,7 +95,7 @@ def read_checkpoint(
     """
     path, with_moments = Path(path), moments
     try:
-        buf = path.read_bytes()
+        buf = path.read_bytes() if copy else _mapped(path)
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror}") from exc
     if len(buf) < 8 or buf[4:8] != b"ODTC":

@@ -85,6 +85,7 @@ __all__ = [
     "tensor_importance",
     "ImportanceResult",
     "ImportanceEvaluator",
+    "SCRATCH_MB",
     "probe_importance",
 ]
 
@@ -154,6 +155,9 @@ def adamw_first_step(
 
 #: Elements per chunk in :func:`_adamw_importance` (4 MB float32 scratch buffers).
 _CHUNK = 1 << 20
+
+#: MiB an :class:`ImportanceEvaluator` holds for its life (three scratch buffers).
+SCRATCH_MB = 3 * _CHUNK * 4 / float(1 << 20)
 
 
 def _adamw_importance(

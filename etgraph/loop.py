@@ -46,14 +46,19 @@ only the selection's session: at any moment one heavy thing is alive. The model'
 the process at the start (:func:`etgraph.artifacts.placeholder_weights`; they go to a checkpoint
 file, written from the model's bytes tensor by tensor), artifacts are generated from the
 placeholders (graphs only: every session starts from a checkpoint etgraph writes), and the
-state always goes through a file: a period's session is saved and released before importance,
-importance runs chunk by chunk (:func:`etgraph.importance.gradient_chunks`), and the next
-session's checkpoint is rewritten from a view of the file before the session opens. The
-process's own resident memory beyond the memory model's libraries (data, interpreter objects)
-is measured before every selection and added to the model's base. No full reference steps are
+state always goes through a file: at a period's end the Module and Optimizer are released and
+the state saved, importance runs chunk by chunk with no other session open
+(:func:`etgraph.importance.gradient_chunks`), the next session's checkpoint is rewritten from a
+mapped view of the file, and the trained model is exported from the checkpoint without a session
+(:func:`etgraph.artifacts.export_inference_model`). The selection is budgeted for the run
+(:meth:`_Run.memory_costs`: the memory model, the process's own resident memory beyond the
+model's libraries measured before every selection, and ORT's checkpoint save,
+:data:`CHECKPOINT_SAVE_COPIES`); the DP runs at :data:`MEMORY_DP_RESOLUTION` time units. glibc's
+mmap threshold is fixed (:func:`etgraph.host.limit_heap_retention`). No full reference steps are
 taken (a full training step does not fit the budget): the loop runs open, ``rho_measured`` is
-NaN. ``peak_rss_mb`` in the log is the process's ``VmHWM`` since the end of the previous
-period (the first period's includes start-up), so the largest one is the run's peak.
+NaN. ``peak_rss_mb`` in the log is the process's ``VmHWM`` since the end of the previous period
+(the first period's includes start-up; a period's checkpoint save counts in the next period's
+records), so the largest one is the run's peak.
 
 **Outputs** in the run directory (:mod:`etgraph.rundir`): ``log.jsonl``, ``checkpoint`` (after
 every period, atomic), ``model_trained.onnx`` (plain inference model; its ``metadata_props``
@@ -84,6 +89,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 from tqdm import tqdm
 
 from passes.onnx import DEFAULT_FROZEN_BN
@@ -92,6 +98,7 @@ from .artifacts import (
     ArtifactCache,
     ArtifactPaths,
     check_frozen_bn,
+    export_inference_model,
     lazy_initializer_values,
     placeholder_weights,
 )
@@ -100,6 +107,7 @@ from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, load_ta
 from .errors import (
     ConfigError,
     DataError,
+    InfeasibleMemoryError,
     ModelError,
     ProfileMismatchError,
     TrainingDivergedError,
@@ -111,8 +119,8 @@ from .host import (
     reset_peak_rss,
     rss_mb,
 )
-from .importance import ImportanceEvaluator, gradient_chunks
-from .labels import save_class_names, stamp_onnx
+from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
+from .labels import save_class_names, set_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .onnx_io import export_with_original_outputs, original_outputs, restore_head
@@ -327,10 +335,13 @@ FINISH_S = 2.5
 #: on ResNet50 128 px (143 and 217 MiB files, moments included); budgeted as 2.
 CHECKPOINT_SAVE_COPIES = 2.0
 
-#: Copies of the weights ``Module.export_model_for_inferencing`` holds at its peak beside the
-#: session it exports from (the last period's, rebuilt from its checkpoint, no step taken):
-#: 1.9-3.0x measured on ResNet50 128 px; budgeted as 3 (it exceeds the save's 2 copies).
-EXPORT_WEIGHT_COPIES = 3.0
+
+#: DP time resolution T_q under a memory budget when none is given: the 2-D (time x memory)
+#: table of the exact 1-us DP is the run's largest allocation there (VGG16 128 px, 2583 MiB
+#: budget: the process peaked at 2752 MiB in the DP, 1.6 GB above anything else); with 1000
+#: time units it is tens of MiB (issue #17's benchmark setting; times round up, so the time
+#: budget still holds).
+MEMORY_DP_RESOLUTION = 1000
 
 #: Untimed full steps before each timed reference step: the elastic steps around it have warm
 #: caches, and so would full training's.
@@ -372,6 +383,10 @@ def reference_ratio(
 def _memory_log(what: str) -> None:
     """Debug log of this process's resident memory and peak (MiB) after ``what``."""
     log.debug("memory after %s: RSS %.0f MiB, peak %.0f MiB", what, rss_mb(), peak_rss_mb())
+
+
+def _file_mb(path: Path) -> float:
+    return path.stat().st_size / float(1 << 20)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -498,7 +513,8 @@ class _Run:
                 memory,
                 tensor_mb=mp.tensor_mb,
                 base_mb=memory.base_mb
-                - max(CHECKPOINT_SAVE_COPIES, EXPORT_WEIGHT_COPIES) * mp.weights_mb,
+                - CHECKPOINT_SAVE_COPIES * mp.weights_mb
+                - float(mp.earliest_mb[-1]),
             )
             chunks = gradient_chunks(session_only.peak_mb, len(self.names), memory.budget_mb)
         if self._evaluator is None or self._evaluator.chunks != chunks:
@@ -526,9 +542,11 @@ class _Run:
         """The memory side of this period's selection: the whole run's peak (module
         docstring), MiB. The memory model (the selection's training process), plus this
         process's resident memory beyond the model's libraries (measured now, with no session
-        and no weights held) on its base and start-up floor, plus saving the period's
-        checkpoint beside the live session (:data:`CHECKPOINT_SAVE_COPIES` copies of the file:
-        every weight, and two AdamW moments per selected parameter). None without a budget.
+        and no weights held) on its base and start-up floor, plus validation's eval session
+        (its arena keeps a forward pass: about ``earliest_mb[-1]``), plus saving the period's
+        checkpoint (:data:`CHECKPOINT_SAVE_COPIES` copies of the file: every weight, and two
+        AdamW moments per selected parameter). The floor is at least the process's start-up
+        peak (loading the model). None without a budget.
         """
         if self.config.memory_mb is None:
             return None
@@ -536,15 +554,19 @@ class _Run:
         gc.collect()
         release_native_memory()
         overhead = max(0.0, rss_mb() - mp.import_mb)
+        if self._evaluator is None and self.config.strategy in IMPORTANCE_STRATEGIES:
+            overhead += SCRATCH_MB  # the evaluator about to be built keeps its scratch
         _memory_log(f"release (resident beyond the model's libraries {overhead:.0f} MiB)")
         if self._startup_peak_mb is None:  # what loading the model took, already spent
             self._startup_peak_mb = peak_rss_mb()
         moments_mb = mp.tensor_mb * (8.0 / mp.bytes_per_param)  # 2 float32 moments / param
-        copies = max(CHECKPOINT_SAVE_COPIES, EXPORT_WEIGHT_COPIES)
+        # Validation runs the eval session, whose arena keeps a forward pass's activations:
+        # about the workspace of training the last tensor alone (forward + one layer back).
+        validation_mb = float(mp.earliest_mb[-1])
         return dataclasses.replace(
             MemoryCosts.from_profile(mp, self.config.memory_mb),
             tensor_mb=mp.tensor_mb + CHECKPOINT_SAVE_COPIES * moments_mb,
-            base_mb=mp.base_mb + overhead + copies * mp.weights_mb,
+            base_mb=mp.base_mb + overhead + validation_mb + CHECKPOINT_SAVE_COPIES * mp.weights_mb,
             floor_mb=max(mp.load_mb + overhead, self._startup_peak_mb),
         )
 
@@ -738,14 +760,21 @@ class _Run:
                 timings = None  # re-selection is charged to the period's first epoch only
                 records.append(asdict(record))
                 append_log(self.out, records[-1])
+            _memory_log(f"period {period}'s epochs")
             reset_peak_rss()  # the next period's peak counts from here (checkpoint save on)
+            if self.bounded:  # the save builds the file in memory: the workspace goes first
+                session.release_sessions()
+                release_native_memory()
+                _memory_log("releasing the sessions")
             t0 = time.perf_counter()
             self._save_checkpoint(session, period_end, mask)
-            _memory_log("saving the checkpoint")
+            _memory_log(f"saving the checkpoint ({_file_mb(self.out / CHECKPOINT_FILE):.0f} MiB)")
             log.debug("checkpoint after epoch %d: %.3f s", period_end, time.perf_counter() - t0)
             period_start = period_end
-        if self.bounded:  # _finish opens it again from the checkpoint, the only reference
+        if self.bounded:  # _finish exports from the checkpoint without a session
             session = None
+            gc.collect()
+            release_native_memory()
         return self._finish(session, records)
 
     def _reselect(
@@ -786,15 +815,36 @@ class _Run:
             p = self.profile
             time_model = self.fit.time_model(p.t_dw_us, p.t_dy_us, p.forward_us, self.rho)
         fit_s = time.perf_counter() - t1
-        mask = strategy_mask(
-            cfg.strategy,
-            self.tensors,
-            time_model,
-            self.rho,
-            importance,
-            resolution=cfg.resolution,
-            memory=memory,
-        )
+        resolution = cfg.resolution
+        if resolution is None and memory is not None:
+            resolution = MEMORY_DP_RESOLUTION
+        try:
+            mask = strategy_mask(
+                cfg.strategy,
+                self.tensors,
+                time_model,
+                self.rho,
+                importance,
+                resolution=resolution,
+                memory=memory,
+            )
+        except InfeasibleMemoryError as exc:
+            if not records:  # the budget cannot hold from the start: the one-line error
+                raise
+            # The process grew since the run started (its resident memory beyond the model's
+            # libraries is measured every period): finish at the smallest peak rather than
+            # lose the run; the log shows the excess.
+            log.warning("%s: this period trains at that peak instead", exc)
+            memory = dataclasses.replace(memory, budget_mb=exc.min_memory_mb)
+            mask = strategy_mask(
+                cfg.strategy,
+                self.tensors,
+                time_model,
+                self.rho,
+                importance,
+                resolution=resolution,
+                memory=memory,
+            )
         self._predicted_peak_mb = None if memory is None else memory.peak_mb(mask)
         t2 = time.perf_counter()
         cache_hit = None
@@ -1003,20 +1053,30 @@ class _Run:
     def _finish(self, session: TrainingSession | None, records: list[dict]) -> TrainResult:
         """Export the trained model, score it, plot, summarise; remove the session directory."""
         cfg = self.config
-        if session is None:  # resumed after the last checkpoint: rebuild from it
-            session = self._session_from_checkpoint()
         trained = self.out / TRAINED_MODEL_FILE
-        _memory_log("the last session")
-        session.export_inference_model(trained, [self.model.output_name])
+        stamped = False
+        if self.bounded:  # no session: the eval graph and the checkpoint's weights, streamed
+            ckpt = self.out / CHECKPOINT_FILE
+            _, requires_grad, _ = read_checkpoint(ckpt, copy=False, moments=False)
+            selected = set(requires_grad)
+            paths, _, _ = self.artifacts(np.array([n in selected for n in self.names]))
+            labelled = onnx.ModelProto()
+            if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
+                set_class_names(labelled, self.dataset.class_names)
+            metadata = {p.key: p.value for p in labelled.metadata_props}
+            export_inference_model(
+                paths.eval_model, ckpt, trained, [self.model.output_name], metadata
+            )
+            stamped = True
+        else:
+            if session is None:  # resumed after the last checkpoint: rebuild from it
+                session = self._session_from_checkpoint()
+            session.export_inference_model(trained, [self.model.output_name])
         _memory_log("export")
-        if self.bounded:  # scored in an inference session: the training one is released first
-            session = None
-            gc.collect()
-            release_native_memory()
         if self.model.head is not None:  # the original model's output meaning, restored
             restore_head(trained, self.model.head)
         self._export_original_outputs(trained)
-        if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
+        if self.dataset.class_names and not stamped:
             stamp_onnx(trained, self.dataset.class_names)
         _, inference_acc = evaluate_onnx(
             trained,

@@ -359,6 +359,12 @@ class TrainingSession:
         with atomic_target(path) as tmp:
             api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
 
+    def release_sessions(self) -> None:
+        """Drop the Module and Optimizer (their ORT sessions and arenas: the step's workspace),
+        keeping the state (weights, gradients, AdamW moments): :meth:`save` still works, no
+        other method does. For saving under a memory budget."""
+        self.module = self.optimizer = None
+
     def weights(self) -> dict[str, np.ndarray]:
         """Copies of every parameter's current value, by name."""
         return {name: p.data.copy() for name, p in self.state.parameters}

@@ -164,3 +164,37 @@ def test_graphs_come_from_placeholder_weights(tmp_path):
     assert cache.get(skeleton, TRAINABLE, FROZEN, checkpoint=False)[1]  # graphs suffice
     paths, hit = cache.get(model, TRAINABLE, FROZEN)  # a checkpoint is needed: generated
     assert not hit and paths.exists()
+
+
+def test_streamed_inference_export_equals_orts(tmp_path):
+    """export_inference_model (no session, weights streamed from the checkpoint) writes the
+    model ORT's export_model_for_inferencing writes: same inputs, outputs, predictions."""
+    from etgraph.artifacts import export_inference_model
+    from etgraph.checkpoint import read_checkpoint
+    from etgraph.sessions import TrainingSession, inference_session
+
+    paths = generate(conv_bn_model(), TRAINABLE[2:], TRAINABLE[:2] + FROZEN, tmp_path / "art")
+    session = TrainingSession(paths.directory, paths.checkpoint, None, input_names=["x"])
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, 3, 8, 8)).astype(np.float32)
+    for _ in range(2):
+        session.train_step(x, np.array([0, 3]), 1e-2)  # weights move away from the initial
+    session.save(tmp_path / "ck", {})
+    session.export_inference_model(tmp_path / "ort.onnx", ["y"])
+    export_inference_model(
+        paths.eval_model, tmp_path / "ck", tmp_path / "ours.onnx", ["y"], {"k": "v"}
+    )
+    ours, theirs = onnx.load(str(tmp_path / "ours.onnx")), onnx.load(str(tmp_path / "ort.onnx"))
+    onnx.checker.check_model(ours, full_check=True)
+    assert [i.name for i in ours.graph.input] == [i.name for i in theirs.graph.input] == ["x"]
+    assert [o.name for o in ours.graph.output] == ["y"]
+    assert {i.name for i in ours.graph.initializer} == {i.name for i in theirs.graph.initializer}
+    assert {p.key: p.value for p in ours.metadata_props}["k"] == "v"
+    weights = read_checkpoint(tmp_path / "ck")[0].weights
+    for init in ours.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(init), weights[init.name])
+    got = inference_session(str(tmp_path / "ours.onnx")).run(None, {"x": x})[0]
+    want = inference_session(str(tmp_path / "ort.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ConfigError, match="the eval model has no output 'z'"):
+        export_inference_model(paths.eval_model, tmp_path / "ck", tmp_path / "z.onnx", ["z"])

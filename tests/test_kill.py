@@ -212,14 +212,16 @@ def _resume_and_compare(out: Path, straight: list[dict]) -> list[dict]:
 
 
 def _complete_artifacts(directory: Path) -> bool:
-    """All four artifacts are there and load (the graphs parse, the checkpoint reads)."""
+    """The three graphs are there and parse, and the checkpoint reads where there is one (a
+    selection's artifacts have none: the run writes the checkpoints its sessions start from)."""
     paths = ArtifactPaths(directory)
-    if not paths.exists():
+    if not paths.exists(checkpoint=False):
         return False
     try:
         for model in (paths.training_model, paths.eval_model, paths.optimizer_model):
             onnx.load(str(model))
-        read_checkpoint(paths.checkpoint)
+        if paths.checkpoint.exists():
+            read_checkpoint(paths.checkpoint)
     except Exception:  # a cut file: DecodeError, CheckpointError, ...
         return False
     return True
@@ -249,7 +251,7 @@ def test_sigkill_during_artifact_generation(
     assert not tmp.exists()  # resume removed the killed run's temporary directory
     assert records[1]["artifacts_cache_hit"] is False  # regenerated, not the killed leftovers
     assert _complete_artifacts(target)
-    assert sorted(os.listdir(target)) == sorted(ARTIFACT_FILES)
+    assert sorted(os.listdir(target)) == sorted(ARTIFACT_FILES[:3])  # the graphs only
 
 
 @pytest.mark.parametrize("point", ["checkpoint-tmp", "checkpoint-renamed"])

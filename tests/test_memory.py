@@ -387,3 +387,51 @@ def test_memory_model_scope_is_image_classifiers(tmp_path):
     model = make_model(nodes, [random_initializer("w", (4, 3, 3, 3))], y="out", inputs=two)
     with pytest.raises(ConfigError, match=r"one float image input .* inputs \['x', 'z'\]"):
         image_input_shape(LoadedModel.load(save_model(model, tmp_path, "two.onnx")))
+
+
+@pytest.mark.slow
+def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
+    default_model, default_profile, tmp_path
+):
+    """Under a budget that does not bind, the run takes the same selections and ends with the
+    same weights and AdamW moments as without one (state through checkpoint files every period,
+    the session rebuilt from them even when the selection stays, chunked importance, the
+    streamed export); resuming after the last period exports the same model."""
+    from etgraph.checkpoint import read_checkpoint
+    from etgraph.loop import resume
+    from etgraph.sessions import inference_session
+    from etgraph.timing import min_feasible_rho
+
+    prof, _ = default_profile
+    mem = profile_memory(default_model, batch_size=4, threads=prof.threads, cache_dir=tmp_path)
+    floor = min_feasible_rho(prof.t_dw_us, prof.t_dy_us, prof.forward_us, prof.t_full_us)
+    rho = round(min(0.95, max(0.6, floor + 0.1)), 3)  # feasible on a short fixture profile
+    base = TrainConfig(  # the DP resolution a budget uses by default, for both runs
+        epochs=3, period=1, max_steps_per_epoch=4, max_val_batches=2, rho=rho, resolution=1000
+    )
+    base = dataclasses.replace(base, closed_loop=False)
+    runs = {}
+    for name, budget in (("free", None), ("bounded", 4 * mem.full_peak_mb)):
+        config = dataclasses.replace(base, memory_mb=budget)
+        train(default_model, prof, config, tmp_path / name, progress=False, memory_profile=mem)
+        runs[name] = [
+            json.loads(r) for r in (tmp_path / name / "log.jsonl").read_text().splitlines()
+        ]
+    assert [r["selection"] for r in runs["free"]] == [r["selection"] for r in runs["bounded"]]
+    free, _, _ = read_checkpoint(tmp_path / "free" / "checkpoint")
+    bounded, _, _ = read_checkpoint(tmp_path / "bounded" / "checkpoint")
+    assert free.step == bounded.step == 12
+    for name, value in free.weights.items():
+        np.testing.assert_allclose(bounded.weights[name], value, rtol=1e-5, atol=1e-7)
+    for name, moments in free.moments.items():
+        for key, value in moments.items():
+            np.testing.assert_allclose(bounded.moments[name][key], value, rtol=1e-4, atol=1e-9)
+    x = np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    outputs = [
+        inference_session(str(tmp_path / n / "model_trained.onnx")).run(None, {"input": x})[0]
+        for n in ("free", "bounded")
+    ]
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+    exported = (tmp_path / "bounded" / "model_trained.onnx").read_bytes()
+    resume(tmp_path / "bounded", progress=False)  # after the last period: export again
+    assert (tmp_path / "bounded" / "model_trained.onnx").read_bytes() == exported
