@@ -36,6 +36,11 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 (``--frozen-bn inference``): the batch norms whose gamma and beta are both unselected
 (:func:`frozen_batch_norms`) run as their inference affine map.
 
+:class:`BakeFrozenParamsPass` is applied per session (:func:`etgraph.artifacts.bake_frozen`):
+the frozen parameters of a training and eval graph (:func:`bakeable_params`) become constants
+valued from the checkpoint the session starts from, so ORT optimises the frozen part as at
+inference.
+
 Every pass follows onnx_ir's contract (:mod:`passes.base`); user errors (ModelError,
 UnsupportedOpError) are raised from ``call`` and reach the caller as themselves through
 :func:`passes.base.run_passes`.
@@ -46,6 +51,7 @@ from __future__ import annotations
 from onnx_ir.passes import PassManager
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
+from .bake import BakeFrozenParamsPass, bakeable_params
 from .batch_dim import FreeBatchDimPass
 from .batch_norm import (
     DEFAULT_FROZEN_BN,
@@ -73,6 +79,7 @@ __all__ = [
     "DEFAULT_FROZEN_BN",
     "FROZEN_BN_MODES",
     "AddOptionalOutputsPass",
+    "BakeFrozenParamsPass",
     "ConvertOpsetPass",
     "HEAD_KEY",
     "ExpandSumPass",
@@ -92,6 +99,7 @@ __all__ = [
     "TrainableBatchNormPass",
     "TrimEvalBatchNormPass",
     "UntieSharedWeightsPass",
+    "bakeable_params",
     "eval_model_pipeline",
     "frozen_batch_norms",
     "legalization_pipeline",
