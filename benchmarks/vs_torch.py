@@ -7,7 +7,11 @@ from its ``plan.json``) -- time one training step on both sides, round robin in 
 - etgraph: ORT training artifacts from :class:`etgraph.artifacts.ArtifactCache` for the
   selection, :class:`etgraph.sessions.TrainingSession` (the "train" role's session options,
   ``--threads`` intra-op threads), ``train_step(x, y, 1e-4)`` = forward + backward + AdamW +
-  gradient reset.
+  gradient reset. Two etgraph sides on the same artifacts and checkpoint: ``etgraph`` (what
+  training runs: the frozen parameters baked into the graphs as constants,
+  :func:`etgraph.artifacts.bake_frozen`) and ``generated`` (the artifacts as
+  ``generate_artifacts`` wrote them, ``bake=False``; skipped with ``--no-generated``), so the
+  effect of the rewrite is measured in the same round robin.
 - torch: the very module the ONNX was exported from (``models.zoo.build`` with seed 0, exported
   with ``models.export.export_onnx(module, ...)``), ``requires_grad`` True on exactly the
   selected tensors (matched by name: the ONNX initializer names are the torch parameter names;
@@ -21,7 +25,7 @@ default) batch norms whose gamma and beta are both unselected run on running sta
 sides (their torch modules put in eval mode).
 
 Both sides get the same random batch. After ``--warmup`` steps each, ``--rounds`` rounds
-alternate ``--steps`` steps of one side then the other (the side going first alternates).
+alternate ``--steps`` steps of each side (the order reverses every round).
 Reported: the median step ms per side over all measured steps, the ratio etgraph / torch, and
 the 1-minute load average before and after each model. Prints a markdown table and writes
 ``benchmarks/results/vs_torch.json`` (entries of other models already in it are kept).
@@ -184,28 +188,34 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
         paths, _ = cache.get(
             model.proto, selected, frozen, loss=model.task.loss, frozen_bn=opts["frozen_bn"]
         )
-        ort = TrainingSession(
-            paths.directory, paths.checkpoint, threads=threads, input_names=model.input_names
-        )
+        sessions = {
+            side: TrainingSession(
+                paths.directory,
+                paths.checkpoint,
+                threads=threads,
+                input_names=model.input_names,
+                bake=side == "etgraph",
+            )
+            for side in (("etgraph", "generated") if opts["generated"] else ("etgraph",))
+        }
         tside = TorchSide(module, selected, opts["frozen_bn"])
         n_sel_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
 
-        def et_step(ort=ort):
-            ort.train_step(x_np, y_np, LR)
-
-        def th_step(tside=tside):
-            tside.step(x_t, y_t)
-
+        steps = {side: (lambda s=s: s.train_step(x_np, y_np, LR)) for side, s in sessions.items()}
+        steps["torch"] = lambda tside=tside: tside.step(x_t, y_t)
         load_before = _load1()
-        _timed(et_step, opts["warmup"])
-        _timed(th_step, opts["warmup"])
-        et, th = [], []
+        for fn in steps.values():
+            _timed(fn, opts["warmup"])
+        times = {side: [] for side in steps}
         for r in range(opts["rounds"]):
-            order = [(et_step, et), (th_step, th)]
-            for fn, acc in order if r % 2 == 0 else order[::-1]:
-                acc.extend(_timed(fn, opts["steps"]))
+            order = list(steps) if r % 2 == 0 else list(steps)[::-1]
+            for side in order:
+                times[side].extend(_timed(steps[side], opts["steps"]))
         load_after = _load1()
+        et, th = times["etgraph"], times["torch"]
         et_ms, th_ms = statistics.median(et), statistics.median(th)
+        gen = times.get("generated")
+        gen_ms = statistics.median(gen) if gen else None
         rows.append(
             {
                 "model": name,
@@ -218,6 +228,9 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 "etgraph_ms": round(et_ms, 2),
                 "torch_ms": round(th_ms, 2),
                 "ratio": round(et_ms / th_ms, 3),
+                "generated_ms": None if gen_ms is None else round(gen_ms, 2),
+                "generated_ratio": None if gen_ms is None else round(gen_ms / th_ms, 3),
+                "baked_over_generated": None if gen_ms is None else round(et_ms / gen_ms, 3),
                 "etgraph_ms_iqr": [round(float(q), 2) for q in np.percentile(et, [25, 75])],
                 "torch_ms_iqr": [round(float(q), 2) for q in np.percentile(th, [25, 75])],
                 "load_before": load_before,
@@ -228,25 +241,29 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 "command": "python benchmarks/vs_torch.py " + " ".join(sys.argv[1:]),
             }
         )
+        generated = "" if gen_ms is None else f", generated {gen_ms:.1f} ms"
         click.echo(
-            f"  {name} {label}: etgraph {et_ms:.1f} ms, torch {th_ms:.1f} ms "
+            f"  {name} {label}: etgraph {et_ms:.1f} ms{generated}, torch {th_ms:.1f} ms "
             f"(x{et_ms / th_ms:.2f}), load {load_before} -> {load_after}",
             err=True,
         )
-        del ort
+        del sessions, steps
     return rows
 
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| model | selection | tensors | etgraph ms | torch ms | etgraph/torch | "
-        "load before | load after |"
+        "| model | selection | BN frozen | tensors | etgraph ms | generated ms | torch ms | "
+        "etgraph/torch | generated/torch | load before | load after |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
+        gen = "-" if r.get("generated_ms") is None else f"{r['generated_ms']:.1f}"
+        gen_ratio = "-" if r.get("generated_ratio") is None else f"{r['generated_ratio']:.2f}"
         lines.append(
-            f"| {r['model']} | {r['selection']} | {r['tensors']} | {r['etgraph_ms']:.1f} | "
-            f"{r['torch_ms']:.1f} | {r['ratio']:.2f} | {r['load_before']} | {r['load_after']} |"
+            f"| {r['model']} | {r['selection']} | {r['frozen_bn']} | {r['tensors']} | "
+            f"{r['etgraph_ms']:.1f} | {gen} | {r['torch_ms']:.1f} | {r['ratio']:.2f} | "
+            f"{gen_ratio} | {r['load_before']} | {r['load_after']} |"
         )
     return "\n".join(lines)
 
@@ -273,6 +290,12 @@ def table(rows: list[dict]) -> str:
     help="Mode of batch norms whose gamma and beta are frozen.",
 )
 @click.option(
+    "--generated/--no-generated",
+    default=True,
+    show_default=True,
+    help="Also time the artifacts as generated (frozen parameters as graph inputs).",
+)
+@click.option(
     "--work-dir",
     default="/tmp/vs_torch",
     show_default=True,
@@ -280,7 +303,10 @@ def table(rows: list[dict]) -> str:
 )
 @click.option("--out", "out", default=str(ROOT / "benchmarks/results/vs_torch.json"),
               show_default=True)  # fmt: skip
-def main(models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_bn, work_dir, out):
+def main(
+    models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_bn, generated, work_dir,
+    out,
+):  # fmt: skip
     """etgraph's training step vs PyTorch eager on the same trainable tensors."""
     import torch
 
@@ -288,7 +314,7 @@ def main(models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_b
     torch.manual_seed(SEED)
     opts = dict(
         batch_size=batch_size, threads=threads, rho=rho, rounds=rounds, steps=steps,
-        warmup=warmup, frozen_bn=frozen_bn, work_dir=work_dir,
+        warmup=warmup, frozen_bn=frozen_bn, work_dir=work_dir, generated=generated,
     )  # fmt: skip
     rows = []
     for name in _models(models):

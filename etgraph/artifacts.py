@@ -8,7 +8,9 @@ only on the model's structure and the selection, and :class:`ArtifactCache` keys
 Facts relied on (observed with onnxruntime-training 1.19.2): ``requires_grad`` tensors get
 gradients, ``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model
 keeps BatchNormalization's three outputs with ``training_mode=0`` (it then fails to load), so
-the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation.
+the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation, and the
+training model through :func:`passes.onnx.training_model_pipeline` (work ORT keeps needlessly:
+unused optional outputs such as a frozen MaxPool's Indices).
 
 **Frozen parameters as constants** (issue #16): the artifacts take every parameter as a graph
 input, so a session's graphs can be opened on any weights. A session about to train from a
@@ -51,6 +53,7 @@ from passes.onnx import (
     bakeable_params,
     eval_model_pipeline,
     frozen_batch_norms,
+    training_model_pipeline,
 )
 
 from . import files
@@ -110,11 +113,10 @@ def _captured_native_stderr(captured: list[str]):
             captured.append(sink.read().decode(errors="replace"))
 
 
-def _fix_eval_model(path: Path) -> None:
-    """Run :func:`passes.onnx.eval_model_pipeline` on the eval model file (rewritten if the
-    pipeline changed it)."""
+def _fix_model(path: Path, pipeline) -> None:
+    """Run ``pipeline`` on the model file (rewritten if the pipeline changed it)."""
     model = ir.load(path)
-    if run_passes(eval_model_pipeline(), model).modified:
+    if run_passes(pipeline, model).modified:
         ir.save(model, path)
 
 
@@ -231,7 +233,8 @@ def generate(
             raise ModelError(
                 f"onnxruntime-training could not build the training graph: {first_line(exc)}"
             ) from exc
-        _fix_eval_model(tmp / "eval_model.onnx")
+        _fix_model(tmp / "eval_model.onnx", eval_model_pipeline())
+        _fix_model(tmp / "training_model.onnx", training_model_pipeline())
     log.debug("artifacts for %d trainable tensors in %s", len(requires_grad), out_dir)
     return ArtifactPaths(out_dir)
 

@@ -15,7 +15,12 @@ from etgraph.checkpoint import CarriedState, write_checkpoint
 from etgraph.data import load_dataset
 from etgraph.sessions import TrainingSession
 from passes.base import run_passes
-from passes.onnx import BakeFrozenParamsPass, bakeable_params
+from passes.onnx import (
+    BakeFrozenParamsPass,
+    DropUnusedOptionalOutputsPass,
+    bakeable_params,
+    training_model_pipeline,
+)
 
 
 def _training_like_graph() -> ir.Model:
@@ -145,3 +150,61 @@ def test_bake_frozen_writes_constants_and_skips_all_trainable(tmp_path, default_
     everything = generate(model.proto, full, none, tmp_path / "full")
     assert bake_frozen(everything.directory, weights, tmp_path / "b2") == everything.directory
     assert not (tmp_path / "b2").exists()
+
+
+def _maxpool_graph(indices_used: bool) -> ir.Model:
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("MaxPool", ["x"], ["p", "p_mask"], name="pool", kernel_shape=[2, 2]),
+        helper.make_node("Relu", ["p"], ["y"], name="relu"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", f, None)]
+    if indices_used:
+        nodes.append(helper.make_node("Cast", ["p_mask"], ["i"], name="cast", to=f))
+        outputs.append(helper.make_tensor_value_info("i", f, None))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", f, [1, 1, 4, 4])], outputs
+    )
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_unused_maxpool_indices_are_dropped():
+    model = _maxpool_graph(indices_used=False)
+    assert run_passes(training_model_pipeline(), model).modified
+    pool = next(n for n in model.graph if n.op_type == "MaxPool")
+    assert [v.name for v in pool.outputs] == ["p"]
+    assert not run_passes(training_model_pipeline(), model).modified
+    used = _maxpool_graph(indices_used=True)
+    assert not run_passes(DropUnusedOptionalOutputsPass(), used).modified
+    assert len(next(n for n in used.graph if n.op_type == "MaxPool").outputs) == 2
+
+
+@pytest.mark.slow
+def test_training_graph_keeps_maxpool_indices_only_where_the_gradient_needs_them(tmp_path):
+    """A frozen MaxPool's Indices (added by generate_artifacts) are dropped; a MaxPool the
+    gradient passes keeps them for MaxPoolGrad."""
+    f = TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 1, (4, 3, 3, 3)).astype(np.float32), "w0"),
+        numpy_helper.from_array(rng.normal(0, 1, (5, 4 * 4 * 4)).astype(np.float32), "w1"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["input", "w0"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("MaxPool", ["c"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["p"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "w1"], ["logits"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input", f, ["B", 3, 8, 8])],
+        [helper.make_tensor_value_info("logits", f, ["B", 5])],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    for trainable, frozen, outputs in ((["w1"], ["w0"], 1), (["w0", "w1"], [], 2)):
+        paths = generate(proto, trainable, frozen, tmp_path / str(outputs))
+        training = ir.load(paths.training_model)
+        pool = next(n for n in training.graph if n.op_type == "MaxPool")
+        assert len(pool.outputs) == outputs

@@ -30,7 +30,9 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 16. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
 17. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
-:func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`).
+:func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
+:func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
+(:class:`DropUnusedOptionalOutputsPass`: e.g. a frozen MaxPool's Indices).
 
 :class:`InferenceBatchNormPass` is applied per selection by :mod:`etgraph.artifacts`
 (``--frozen-bn inference``): the batch norms whose gamma and beta are both unselected
@@ -68,6 +70,7 @@ from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
 from .rewrite_no_grad_ops import ExpandSumPass, RewriteHardActivationsPass
 from .rewrite_windows import RewriteAveragePoolPass, RewriteLrnPass
+from .training_model import DropUnusedOptionalOutputsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
 from .weights import MaterializeWeightsPass, UntieSharedWeightsPass
 
@@ -81,6 +84,7 @@ __all__ = [
     "AddOptionalOutputsPass",
     "BakeFrozenParamsPass",
     "ConvertOpsetPass",
+    "DropUnusedOptionalOutputsPass",
     "HEAD_KEY",
     "ExpandSumPass",
     "FlattenClassOutputPass",
@@ -103,6 +107,7 @@ __all__ = [
     "eval_model_pipeline",
     "frozen_batch_norms",
     "legalization_pipeline",
+    "training_model_pipeline",
 ]
 
 
@@ -140,3 +145,8 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
 def eval_model_pipeline() -> PassManager:
     """The passes applied to ``eval_model.onnx`` after ``generate_artifacts``."""
     return PassManager([TrimEvalBatchNormPass()], steps=1)
+
+
+def training_model_pipeline() -> PassManager:
+    """The passes applied to ``training_model.onnx`` after ``generate_artifacts``."""
+    return PassManager([DropUnusedOptionalOutputsPass()], steps=1)
