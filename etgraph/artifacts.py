@@ -271,7 +271,8 @@ def bake_frozen(
     for name, model in (("training_model.onnx", training), ("eval_model.onnx", None)):
         model = model if model is not None else ir.load(directory / name)
         run_passes(BakeFrozenParamsPass(weights, frozen), model)
-        ir.save(model, out_dir / name)
+        # raw weights beside the graph: writing them through protobuf costs seconds on ResNet50
+        ir.save(model, out_dir / name, external_data=f"{name}.data")
     target = out_dir / "optimizer_model.onnx"
     target.unlink(missing_ok=True)
     try:
