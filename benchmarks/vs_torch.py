@@ -30,6 +30,11 @@ Reported: the median step ms per side over all measured steps, the ratio etgraph
 the 1-minute load average before and after each model. Prints a markdown table and writes
 ``benchmarks/results/vs_torch.json`` (entries of other models already in it are kept).
 
+On a loaded machine run it with ``OMP_WAIT_POLICY=PASSIVE`` (recorded in the JSON): torch's
+OpenMP threads otherwise spin at every barrier, and with more runnable threads than cores a
+MobileNetV2 step took 1.7-21 s instead of 0.35-0.42 s (load 15); etgraph's sessions run with
+thread-pool spinning off, the same policy.
+
 Usage::
 
     python benchmarks/vs_torch.py                               # all four, 128 px
@@ -337,6 +342,10 @@ def main(
         "steps": steps,
         "warmup": warmup,
         "torch": torch.__version__,
+        # torch's OpenMP threads spin at barriers unless OMP_WAIT_POLICY=PASSIVE (etgraph's
+        # sessions run with spinning off): on a loaded machine the spinning costs torch 5-50x
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_avg": [round(v, 2) for v in os.getloadavg()],
         "cpu_count": os.cpu_count(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
