@@ -26,7 +26,9 @@ sides (their torch modules put in eval mode).
 
 Both sides get the same random batch. After ``--warmup`` steps each, ``--rounds`` rounds
 alternate ``--steps`` steps of each side (the order reverses every round).
-Reported: the median step ms per side over all measured steps, the ratio etgraph / torch, and
+Reported: the median step ms per side over all measured steps (wall clock, and the process's
+CPU time, which a loaded machine inflates far less: both sides' idle threads sleep), the ratio
+etgraph / torch, and
 the 1-minute load average before and after each model. Prints a markdown table and writes
 ``benchmarks/results/vs_torch.json`` (entries of other models already in it are kept).
 
@@ -150,12 +152,13 @@ class TorchSide:
         return float(loss.detach())
 
 
-def _timed(fn, n: int) -> list[float]:
+def _timed(fn, n: int) -> list[tuple[float, float]]:
+    """``n`` steps of ``fn``: (wall ms, process CPU ms) each."""
     out = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append(((time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3))
     return out
 
 
@@ -217,10 +220,13 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
             for side in order:
                 times[side].extend(_timed(steps[side], opts["steps"]))
         load_after = _load1()
-        et, th = times["etgraph"], times["torch"]
+        wall = {side: [w for w, _ in v] for side, v in times.items()}
+        cpu = {side: statistics.median(c for _, c in v) for side, v in times.items()}
+        et, th = wall["etgraph"], wall["torch"]
         et_ms, th_ms = statistics.median(et), statistics.median(th)
-        gen = times.get("generated")
+        gen = wall.get("generated")
         gen_ms = statistics.median(gen) if gen else None
+        gen_cpu = cpu.get("generated")
         rows.append(
             {
                 "model": name,
@@ -236,6 +242,13 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 "generated_ms": None if gen_ms is None else round(gen_ms, 2),
                 "generated_ratio": None if gen_ms is None else round(gen_ms / th_ms, 3),
                 "baked_over_generated": None if gen_ms is None else round(et_ms / gen_ms, 3),
+                "etgraph_cpu_ms": round(cpu["etgraph"], 2),
+                "torch_cpu_ms": round(cpu["torch"], 2),
+                "cpu_ratio": round(cpu["etgraph"] / cpu["torch"], 3),
+                "generated_cpu_ms": None if gen_cpu is None else round(gen_cpu, 2),
+                "generated_cpu_ratio": None
+                if gen_cpu is None
+                else round(gen_cpu / cpu["torch"], 3),
                 "etgraph_ms_iqr": [round(float(q), 2) for q in np.percentile(et, [25, 75])],
                 "torch_ms_iqr": [round(float(q), 2) for q in np.percentile(th, [25, 75])],
                 "load_before": load_before,
@@ -249,7 +262,8 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
         generated = "" if gen_ms is None else f", generated {gen_ms:.1f} ms"
         click.echo(
             f"  {name} {label}: etgraph {et_ms:.1f} ms{generated}, torch {th_ms:.1f} ms "
-            f"(x{et_ms / th_ms:.2f}), load {load_before} -> {load_after}",
+            f"(x{et_ms / th_ms:.2f}); CPU etgraph {cpu['etgraph']:.1f}, torch {cpu['torch']:.1f} "
+            f"(x{cpu['etgraph'] / cpu['torch']:.2f}); load {load_before} -> {load_after}",
             err=True,
         )
         del sessions, steps
@@ -259,16 +273,20 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
 def table(rows: list[dict]) -> str:
     head = (
         "| model | selection | BN frozen | tensors | etgraph ms | generated ms | torch ms | "
-        "etgraph/torch | generated/torch | load before | load after |"
+        "etgraph/torch | generated/torch | CPU etgraph/torch | CPU generated/torch | "
+        "load before | load after |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         gen = "-" if r.get("generated_ms") is None else f"{r['generated_ms']:.1f}"
         gen_ratio = "-" if r.get("generated_ratio") is None else f"{r['generated_ratio']:.2f}"
+        gen_cpu = r.get("generated_cpu_ratio")
+        gen_cpu = "-" if gen_cpu is None else f"{gen_cpu:.2f}"
         lines.append(
             f"| {r['model']} | {r['selection']} | {r['frozen_bn']} | {r['tensors']} | "
             f"{r['etgraph_ms']:.1f} | {gen} | {r['torch_ms']:.1f} | {r['ratio']:.2f} | "
-            f"{gen_ratio} | {r['load_before']} | {r['load_after']} |"
+            f"{gen_ratio} | {r['cpu_ratio']:.2f} | {gen_cpu} | {r['load_before']} | "
+            f"{r['load_after']} |"
         )
     return "\n".join(lines)
 
