@@ -271,8 +271,11 @@ def bake_frozen(
     for name, model in (("training_model.onnx", training), ("eval_model.onnx", None)):
         model = model if model is not None else ir.load(directory / name)
         run_passes(BakeFrozenParamsPass(weights, frozen), model)
-        # raw weights beside the graph: writing them through protobuf costs seconds on ResNet50
-        ir.save(model, out_dir / name, external_data=f"{name}.data")
+        # The training graph's weights go raw beside it (through protobuf it costs seconds on
+        # ResNet50); the eval graph's stay inside it: ORT's export_model_for_inferencing copies
+        # external-data references, which would point next to the exported model.
+        external = f"{name}.data" if name == "training_model.onnx" else None
+        ir.save(model, out_dir / name, external_data=external)
     target = out_dir / "optimizer_model.onnx"
     target.unlink(missing_ok=True)
     try:
