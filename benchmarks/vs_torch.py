@@ -7,7 +7,11 @@ from its ``plan.json``) -- time one training step on both sides, round robin in 
 - etgraph: ORT training artifacts from :class:`etgraph.artifacts.ArtifactCache` for the
   selection, :class:`etgraph.sessions.TrainingSession` (the "train" role's session options,
   ``--threads`` intra-op threads), ``train_step(x, y, 1e-4)`` = forward + backward + AdamW +
-  gradient reset.
+  gradient reset. Two etgraph sides on the same artifacts and checkpoint: ``etgraph`` (what
+  training runs: the frozen parameters baked into the graphs as constants,
+  :func:`etgraph.artifacts.bake_frozen`) and ``generated`` (the artifacts as
+  ``generate_artifacts`` wrote them, ``bake=False``; skipped with ``--no-generated``), so the
+  effect of the rewrite is measured in the same round robin.
 - torch: the very module the ONNX was exported from (``models.zoo.build`` with seed 0, exported
   with ``models.export.export_onnx(module, ...)``), ``requires_grad`` True on exactly the
   selected tensors (matched by name: the ONNX initializer names are the torch parameter names;
@@ -21,10 +25,17 @@ default) batch norms whose gamma and beta are both unselected run on running sta
 sides (their torch modules put in eval mode).
 
 Both sides get the same random batch. After ``--warmup`` steps each, ``--rounds`` rounds
-alternate ``--steps`` steps of one side then the other (the side going first alternates).
-Reported: the median step ms per side over all measured steps, the ratio etgraph / torch, and
+alternate ``--steps`` steps of each side (the order reverses every round).
+Reported: the median step ms per side over all measured steps (wall clock, and the process's
+CPU time, which a loaded machine inflates far less: both sides' idle threads sleep), the ratio
+etgraph / torch, and
 the 1-minute load average before and after each model. Prints a markdown table and writes
 ``benchmarks/results/vs_torch.json`` (entries of other models already in it are kept).
+
+On a loaded machine run it with ``OMP_WAIT_POLICY=PASSIVE`` (recorded in the JSON): torch's
+OpenMP threads otherwise spin at every barrier, and with more runnable threads than cores a
+MobileNetV2 step took 1.7-21 s instead of 0.35-0.42 s (load 15); etgraph's sessions run with
+thread-pool spinning off, the same policy.
 
 Usage::
 
@@ -141,12 +152,13 @@ class TorchSide:
         return float(loss.detach())
 
 
-def _timed(fn, n: int) -> list[float]:
+def _timed(fn, n: int) -> list[tuple[float, float]]:
+    """``n`` steps of ``fn``: (wall ms, process CPU ms) each."""
     out = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append(((time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3))
     return out
 
 
@@ -184,28 +196,37 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
         paths, _ = cache.get(
             model.proto, selected, frozen, loss=model.task.loss, frozen_bn=opts["frozen_bn"]
         )
-        ort = TrainingSession(
-            paths.directory, paths.checkpoint, threads=threads, input_names=model.input_names
-        )
+        sessions = {
+            side: TrainingSession(
+                paths.directory,
+                paths.checkpoint,
+                threads=threads,
+                input_names=model.input_names,
+                bake=side == "etgraph",
+            )
+            for side in (("etgraph", "generated") if opts["generated"] else ("etgraph",))
+        }
         tside = TorchSide(module, selected, opts["frozen_bn"])
         n_sel_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
 
-        def et_step(ort=ort):
-            ort.train_step(x_np, y_np, LR)
-
-        def th_step(tside=tside):
-            tside.step(x_t, y_t)
-
+        steps = {side: (lambda s=s: s.train_step(x_np, y_np, LR)) for side, s in sessions.items()}
+        steps["torch"] = lambda tside=tside: tside.step(x_t, y_t)
         load_before = _load1()
-        _timed(et_step, opts["warmup"])
-        _timed(th_step, opts["warmup"])
-        et, th = [], []
+        for fn in steps.values():
+            _timed(fn, opts["warmup"])
+        times = {side: [] for side in steps}
         for r in range(opts["rounds"]):
-            order = [(et_step, et), (th_step, th)]
-            for fn, acc in order if r % 2 == 0 else order[::-1]:
-                acc.extend(_timed(fn, opts["steps"]))
+            order = list(steps) if r % 2 == 0 else list(steps)[::-1]
+            for side in order:
+                times[side].extend(_timed(steps[side], opts["steps"]))
         load_after = _load1()
+        wall = {side: [w for w, _ in v] for side, v in times.items()}
+        cpu = {side: statistics.median(c for _, c in v) for side, v in times.items()}
+        et, th = wall["etgraph"], wall["torch"]
         et_ms, th_ms = statistics.median(et), statistics.median(th)
+        gen = wall.get("generated")
+        gen_ms = statistics.median(gen) if gen else None
+        gen_cpu = cpu.get("generated")
         rows.append(
             {
                 "model": name,
@@ -218,6 +239,16 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 "etgraph_ms": round(et_ms, 2),
                 "torch_ms": round(th_ms, 2),
                 "ratio": round(et_ms / th_ms, 3),
+                "generated_ms": None if gen_ms is None else round(gen_ms, 2),
+                "generated_ratio": None if gen_ms is None else round(gen_ms / th_ms, 3),
+                "baked_over_generated": None if gen_ms is None else round(et_ms / gen_ms, 3),
+                "etgraph_cpu_ms": round(cpu["etgraph"], 2),
+                "torch_cpu_ms": round(cpu["torch"], 2),
+                "cpu_ratio": round(cpu["etgraph"] / cpu["torch"], 3),
+                "generated_cpu_ms": None if gen_cpu is None else round(gen_cpu, 2),
+                "generated_cpu_ratio": None
+                if gen_cpu is None
+                else round(gen_cpu / cpu["torch"], 3),
                 "etgraph_ms_iqr": [round(float(q), 2) for q in np.percentile(et, [25, 75])],
                 "torch_ms_iqr": [round(float(q), 2) for q in np.percentile(th, [25, 75])],
                 "load_before": load_before,
@@ -228,25 +259,34 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 "command": "python benchmarks/vs_torch.py " + " ".join(sys.argv[1:]),
             }
         )
+        generated = "" if gen_ms is None else f", generated {gen_ms:.1f} ms"
         click.echo(
-            f"  {name} {label}: etgraph {et_ms:.1f} ms, torch {th_ms:.1f} ms "
-            f"(x{et_ms / th_ms:.2f}), load {load_before} -> {load_after}",
+            f"  {name} {label}: etgraph {et_ms:.1f} ms{generated}, torch {th_ms:.1f} ms "
+            f"(x{et_ms / th_ms:.2f}); CPU etgraph {cpu['etgraph']:.1f}, torch {cpu['torch']:.1f} "
+            f"(x{cpu['etgraph'] / cpu['torch']:.2f}); load {load_before} -> {load_after}",
             err=True,
         )
-        del ort
+        del sessions, steps
     return rows
 
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| model | selection | tensors | etgraph ms | torch ms | etgraph/torch | "
+        "| model | selection | BN frozen | tensors | etgraph ms | generated ms | torch ms | "
+        "etgraph/torch | generated/torch | CPU etgraph/torch | CPU generated/torch | "
         "load before | load after |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
+        gen = "-" if r.get("generated_ms") is None else f"{r['generated_ms']:.1f}"
+        gen_ratio = "-" if r.get("generated_ratio") is None else f"{r['generated_ratio']:.2f}"
+        gen_cpu = r.get("generated_cpu_ratio")
+        gen_cpu = "-" if gen_cpu is None else f"{gen_cpu:.2f}"
         lines.append(
-            f"| {r['model']} | {r['selection']} | {r['tensors']} | {r['etgraph_ms']:.1f} | "
-            f"{r['torch_ms']:.1f} | {r['ratio']:.2f} | {r['load_before']} | {r['load_after']} |"
+            f"| {r['model']} | {r['selection']} | {r['frozen_bn']} | {r['tensors']} | "
+            f"{r['etgraph_ms']:.1f} | {gen} | {r['torch_ms']:.1f} | {r['ratio']:.2f} | "
+            f"{gen_ratio} | {r['cpu_ratio']:.2f} | {gen_cpu} | {r['load_before']} | "
+            f"{r['load_after']} |"
         )
     return "\n".join(lines)
 
@@ -273,6 +313,12 @@ def table(rows: list[dict]) -> str:
     help="Mode of batch norms whose gamma and beta are frozen.",
 )
 @click.option(
+    "--generated/--no-generated",
+    default=True,
+    show_default=True,
+    help="Also time the artifacts as generated (frozen parameters as graph inputs).",
+)
+@click.option(
     "--work-dir",
     default="/tmp/vs_torch",
     show_default=True,
@@ -280,7 +326,10 @@ def table(rows: list[dict]) -> str:
 )
 @click.option("--out", "out", default=str(ROOT / "benchmarks/results/vs_torch.json"),
               show_default=True)  # fmt: skip
-def main(models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_bn, work_dir, out):
+def main(
+    models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_bn, generated, work_dir,
+    out,
+):  # fmt: skip
     """etgraph's training step vs PyTorch eager on the same trainable tensors."""
     import torch
 
@@ -288,7 +337,7 @@ def main(models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_b
     torch.manual_seed(SEED)
     opts = dict(
         batch_size=batch_size, threads=threads, rho=rho, rounds=rounds, steps=steps,
-        warmup=warmup, frozen_bn=frozen_bn, work_dir=work_dir,
+        warmup=warmup, frozen_bn=frozen_bn, work_dir=work_dir, generated=generated,
     )  # fmt: skip
     rows = []
     for name in _models(models):
@@ -311,6 +360,10 @@ def main(models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_b
         "steps": steps,
         "warmup": warmup,
         "torch": torch.__version__,
+        # torch's OpenMP threads spin at barriers unless OMP_WAIT_POLICY=PASSIVE (etgraph's
+        # sessions run with spinning off): on a loaded machine the spinning costs torch 5-50x
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_avg": [round(v, 2) for v in os.getloadavg()],
         "cpu_count": os.cpu_count(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,16 @@ state and must not hold the weights twice, ``etgraph train --memory-mb``).
 Facts relied on (observed with onnxruntime-training 1.19.2): ``requires_grad`` tensors get
 gradients, ``frozen_params`` are stored in the checkpoint as non-trainable, and the eval model
 keeps BatchNormalization's three outputs with ``training_mode=0`` (it then fails to load), so
-the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation.
+the eval model goes through :func:`passes.onnx.eval_model_pipeline` after generation, and the
+training model through :func:`passes.onnx.training_model_pipeline` (work ORT keeps needlessly:
+unused optional outputs such as a frozen MaxPool's Indices).
+
+**Frozen parameters as constants** (issue #16): the artifacts take every parameter as a graph
+input, so a session's graphs can be opened on any weights. A session about to train from a
+given checkpoint gets copies of the training and eval graphs in which the frozen parameters are
+constants holding the checkpoint's values (:func:`bake_frozen`,
+:class:`passes.onnx.BakeFrozenParamsPass`), so ORT optimises the frozen part of the network as
+it would at inference (constant folding, Conv + BN fusion, its NCHWc conv layout).
 
 **Frozen batch norm** (``frozen_bn``, issue #14): with ``"inference"``, every BatchNormalization
 whose gamma and beta are both unselected runs in inference mode in that selection's graphs
@@ -49,9 +58,12 @@ from onnxruntime.training import onnxblock
 from passes.base import run_passes
 from passes.onnx import (
     FROZEN_BN_MODES,
+    BakeFrozenParamsPass,
     InferenceBatchNormPass,
+    bakeable_params,
     eval_model_pipeline,
     frozen_batch_norms,
+    training_model_pipeline,
 )
 
 from . import files
@@ -211,11 +223,10 @@ def _captured_native_stderr(captured: list[str]):
             captured.append(sink.read().decode(errors="replace"))
 
 
-def _fix_eval_model(path: Path) -> None:
-    """Run :func:`passes.onnx.eval_model_pipeline` on the eval model file (rewritten if the
-    pipeline changed it)."""
+def _fix_model(path: Path, pipeline) -> None:
+    """Run ``pipeline`` on the model file (rewritten if the pipeline changed it)."""
     model = ir.load(path)
-    if run_passes(eval_model_pipeline(), model).modified:
+    if run_passes(pipeline, model).modified:
         ir.save(model, path)
 
 
@@ -337,7 +348,8 @@ def generate(
             raise ModelError(
                 f"onnxruntime-training could not build the training graph: {first_line(exc)}"
             ) from exc
-        _fix_eval_model(tmp / "eval_model.onnx")
+        _fix_model(tmp / "eval_model.onnx", eval_model_pipeline())
+        _fix_model(tmp / "training_model.onnx", training_model_pipeline())
         (tmp / "checkpoint").unlink()  # ORT's, of the placeholders
         if weights is not None:
             write_checkpoint(
@@ -345,6 +357,53 @@ def generate(
             )
     log.debug("artifacts for %d trainable tensors in %s", len(requires_grad), out_dir)
     return ArtifactPaths(out_dir)
+
+
+def bake_frozen(
+    directory: str | os.PathLike, weights: Mapping[str, np.ndarray], out_dir: str | os.PathLike
+) -> Path:
+    """The artifacts in ``directory`` with every frozen parameter a constant of the training
+    and eval graphs (:func:`passes.onnx.bakeable_params`: parameters without a gradient buffer,
+    except the running statistics a training-mode batch norm updates), valued from ``weights``.
+
+    Writes ``training_model.onnx`` and ``eval_model.onnx`` into ``out_dir`` (created) and links
+    (or copies) ``optimizer_model.onnx`` beside them; the session is then opened on ``out_dir``
+    with the checkpoint it would have used. The checkpoint still holds
+    every parameter, so carrying weights is unchanged; the baked values must be the ones that
+    checkpoint holds (the frozen parameters never change during a session).
+
+    Args:
+        directory: artifacts (:func:`generate`).
+        weights: name -> value of (at least) every frozen parameter, float32 as in the
+            checkpoint (:func:`etgraph.checkpoint.read_checkpoint`).
+        out_dir: where the baked copies go.
+
+    Returns:
+        ``out_dir``, or ``directory`` itself when the training graph has no frozen parameter
+        (all-trainable artifacts).
+    """
+    directory, out_dir = Path(directory), Path(out_dir)
+    training = ir.load(directory / "training_model.onnx")
+    frozen = bakeable_params(training, weights)
+    if not frozen:
+        return directory
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, model in (("training_model.onnx", training), ("eval_model.onnx", None)):
+        model = model if model is not None else ir.load(directory / name)
+        run_passes(BakeFrozenParamsPass(weights, frozen), model)
+        # The training graph's weights go raw beside it (through protobuf it costs seconds on
+        # ResNet50); the eval graph's stay inside it: ORT's export_model_for_inferencing copies
+        # external-data references, which would point next to the exported model.
+        external = f"{name}.data" if name == "training_model.onnx" else None
+        ir.save(model, out_dir / name, external_data=external)
+    target = out_dir / "optimizer_model.onnx"
+    target.unlink(missing_ok=True)
+    try:
+        os.link(directory / target.name, target)
+    except OSError:
+        target.write_bytes((directory / target.name).read_bytes())
+    log.debug("baked %d frozen parameters into %s", len(frozen), out_dir)
+    return out_dir
 
 
 def selection_key(

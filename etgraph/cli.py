@@ -212,7 +212,7 @@ def inspect_command(
     """Print the tensor table of TARGET (an .onnx model or a compiled directory) and write the
     tensor-level backward graph (JSON node-link, GraphML, DOT)."""
     from passes import describe_pipeline, tensor_graph_pipeline
-    from passes.onnx import eval_model_pipeline, legalization_pipeline
+    from passes.onnx import eval_model_pipeline, legalization_pipeline, training_model_pipeline
 
     from . import dumps, graph
 
@@ -221,6 +221,10 @@ def inspect_command(
             ("ONNX legalisation (passes/onnx/, every model loaded)", legalization_pipeline()),
             ("tensor-graph passes (passes/, on ORT's training graph)", tensor_graph_pipeline()),
             ("eval-model fix-ups (passes/onnx/, after generate_artifacts)", eval_model_pipeline()),
+            (
+                "training-model passes (passes/onnx/, after generate_artifacts)",
+                training_model_pipeline(),
+            ),
         )
         for title, pipeline in pipelines:
             click.echo(f"{title}:")

@@ -52,9 +52,10 @@ _LEGACY_INPUT = "input"
 
 #: Version of the measurement method in :func:`profile_key`. Bumped when what is measured
 #: changes (format 3: no spinning; 4: batch norms also measured in inference mode,
-#: ``batch_norms``), not for JSON renames: a cached format-3 profile measured the same way
+#: ``batch_norms``; 5: sessions bake frozen parameters, ``last_only_inference``), not for JSON
+#: renames: a cached format-3 profile measured the same way
 #: still hits.
-_METHOD_VERSION = 4
+_METHOD_VERSION = 5
 
 
 @dataclass
@@ -101,6 +102,11 @@ class Profile:
         batch_norms: each batch norm's cost in training and in inference mode
             (:func:`etgraph.fold.batch_norm_modes`); the timings above are of training mode
             (``--frozen-bn train``), :meth:`for_frozen_bn` gives those of ``inference``.
+        inference_forward_moved_us: float [N] µs (or empty): forward time moved from
+            ``forward_us`` to ``t_dy_us`` per anchor tensor in inference mode on top of
+            training mode's, measured with the ``last_only_inference`` configuration (a frozen
+            layer's Conv + BN + activation fuse in baked graphs); applied by
+            :meth:`for_frozen_bn`.
     """
 
     model_hash: str
@@ -131,6 +137,7 @@ class Profile:
     nodes: list = field(default_factory=list)
     branches: list = field(default_factory=list)
     batch_norms: list = field(default_factory=list)
+    inference_forward_moved_us: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.t_dw_us = np.asarray(self.t_dw_us, dtype=np.float64)
@@ -305,7 +312,9 @@ class Profile:
         * ``t_dw_us[g] += (d_dy + d_fwd) / 2`` and the same on ``t_dw_us[b]``: selecting the
           layer puts it back in training mode.
 
-        Exact when both or neither of ``g`` and ``b`` are selected, and ``T_full`` (every
+        Then :attr:`inference_forward_moved_us` (when measured) moves forward time to
+        ``t_dy_us`` per anchor (paid iff the gradient passes that layer). Exact when both or
+        neither of ``g`` and ``b`` are selected, and ``T_full`` (every
         tensor selected, every batch norm in training mode) is unchanged, so the budget
         ``rho * T_full`` is the same in both modes; when exactly one is selected the
         prediction is off by ``(d_dy + d_fwd) / 2`` (µs, per such layer). Tensor times are
@@ -339,6 +348,10 @@ class Profile:
                 for r in branches:
                     if (r["tensor"], r["prefix"], sorted(r["extra"])) == (b, prefix, extra):
                         r["us"] = max(0.0, r["us"] - d_dy)
+        if len(self.inference_forward_moved_us) == len(t_dy):
+            moved = np.asarray(self.inference_forward_moved_us, dtype=np.float64)
+            t_dy += moved
+            forward -= float(moved.sum())
         clamped = float(np.maximum(-t_dw, 0.0).sum() + np.maximum(-t_dy, 0.0).sum())
         return dataclasses.replace(
             self,
@@ -347,6 +360,7 @@ class Profile:
             forward_us=forward - clamped,
             branches=branches,
             batch_norms=[],
+            inference_forward_moved_us=[],
         )
 
 

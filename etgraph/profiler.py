@@ -54,7 +54,12 @@ measured times into the time model in :mod:`etgraph.fold`:
 6. **Forward work only training needs.** A fourth configuration, ``last_only`` (only the last
    tensor trainable), is timed as a real step; the share of the forward it saves
    (:func:`etgraph.fold.saved_forward_fraction`) is moved from the forward pass to ``t_dy_us``
-   of each forward node's anchor tensor (:func:`etgraph.fold.forward_us_by_anchor`).
+   of each forward node's anchor tensor (:func:`etgraph.fold.forward_us_by_anchor`). Sessions
+   bake frozen parameters into their graphs (:func:`etgraph.artifacts.bake_frozen`), so with
+   batch norms in inference mode the frozen forward is fused further (Conv + BN + activation):
+   ``last_only_inference`` (the same mask, ``--frozen-bn inference``) is timed too, and what
+   the inference time model does not explain of it is spread over the anchors likewise
+   (``Profile.inference_forward_moved_us``, applied by ``Profile.for_frozen_bn``).
 
 ``forward_us`` is therefore the selection-independent part of a step: forward pass and loss
 (``forward_pass_us``, less the moved share) + optimizer fixed cost + ``step_overhead_us``.
@@ -102,6 +107,10 @@ from .timing import BranchCharges, backward_us, step_us
 log = logging.getLogger(__name__)
 
 __all__ = ["profile_model"]
+
+
+#: Configurations whose batch norms with frozen gamma and beta run in inference mode.
+_INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference"})
 
 
 def profile_model(
@@ -267,12 +276,14 @@ def _profile(
     bn_tensors = {i for _, g, b in bn_layers for i in (g, b)}
     if bn_layers and len(bn_tensors) < n:  # every batch norm in inference mode
         masks["bn_inference"] = _mask(n, [i for i in range(n) if i not in bn_tensors])
+        if "last_only" in masks:  # the frozen forward in inference mode (baked: fused)
+            masks["last_only_inference"] = masks["last_only"]
     art_dirs = {
         c: cache.get(
             model_b,
             *model.split(m),
             loss=loss,
-            frozen_bn="inference" if c == "bn_inference" else "train",
+            frozen_bn="inference" if c in _INFERENCE_CONFIGS else "train",
         )[0].directory
         for c, m in masks.items()
     }
@@ -300,6 +311,8 @@ def _profile(
             runners.append(steps["last_only"])
         if "bn_inference" in steps:
             runners += [graphs["bn_inference"], steps["bn_inference"]]
+        if "last_only_inference" in steps:
+            runners.append(steps["last_only_inference"])
         round_robin(runners, repeats, warmup)
     except Exception as exc:
         if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
@@ -398,8 +411,18 @@ def _profile(
         branches=charged.branches,
         batch_norms=batch_norms,
     )
-    if "bn_inference" in checks:  # the inference-mode time model against its measured step
-        checks["bn_inference"]["predicted_us"] = prof.for_frozen_bn("inference").predicted_step_us(
-            masks["bn_inference"]
+    if "last_only_inference" in measured:
+        # What the per-node inference deltas do not explain of the frozen forward in inference
+        # mode (sessions bake frozen weights: ORT fuses Conv + BN + activation there), moved
+        # from the forward pass to t_dy of the anchors, as forward_saved is in training mode.
+        residual = (
+            prof.for_frozen_bn("inference").predicted_step_us(masks["last_only_inference"])
+            - measured["last_only_inference"]
         )
+        skipped = by_anchor[:-1].sum()
+        if skipped > 0:
+            extra = float(np.clip(residual / skipped, -forward_saved, 1.0 - forward_saved))
+            prof.inference_forward_moved_us = [float(v) for v in extra * by_anchor]
+    for c in _INFERENCE_CONFIGS & set(checks):  # inference-mode time model vs measured step
+        checks[c]["predicted_us"] = prof.for_frozen_bn("inference").predicted_step_us(masks[c])
     return prof

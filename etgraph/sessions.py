@@ -22,6 +22,7 @@ The onnxruntime-training wheel imports ``onnxruntime.training`` (and with it tor
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.training import api
 
+from .artifacts import bake_frozen
+from .checkpoint import read_checkpoint
 from .files import atomic_target
 
 __all__ = [
@@ -287,9 +290,14 @@ class TrainingSession:
         input_names: the model's input names (graph order), needed to feed batches whose
             inputs are one array (:func:`as_inputs`).
         config: session options (benchmarks); default the "train" role's.
+        bake: open the Module on copies of the graphs in which the frozen parameters are
+            constants valued from ``checkpoint`` (:func:`etgraph.artifacts.bake_frozen`, in a
+            temporary directory removed with the session), so ORT optimises the frozen part of
+            the network (issue #16); False: the artifacts as generated (benchmarks).
 
     Raises:
         RuntimeError: ORT cannot load the artifacts or the checkpoint.
+        CheckpointError: ``bake`` and the checkpoint cannot be read.
     """
 
     def __init__(
@@ -301,10 +309,17 @@ class TrainingSession:
         loss: str = "ce",
         input_names: Sequence[str] = (),
         config: OrtConfig | None = None,
+        bake: bool = True,
     ):
         d = Path(directory)
         self.loss = loss
         self.input_names = list(input_names)
+        self._baked = None
+        if bake:
+            self._baked = tempfile.TemporaryDirectory(prefix="etgraph-baked-")
+            weights = read_checkpoint(checkpoint)[0].weights
+            d = bake_frozen(d, weights, self._baked.name)
+            del weights
         self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
         self.module = api.Module(
             str(d / "training_model.onnx"),

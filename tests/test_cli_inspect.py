@@ -58,6 +58,7 @@ def test_inspect_passes_prints_the_pipeline():
         "ONNX legalisation",
         "tensor-graph passes",
         "eval-model fix-ups",
+        "training-model passes",
     ]
     sections = proc.stdout.split(titles[1])
     passes = [line.split(":")[0].strip() for line in sections[1].splitlines()[1:6]]

@@ -38,6 +38,7 @@ from passes.onnx import (
     TrimEvalBatchNormPass,
     eval_model_pipeline,
     legalization_pipeline,
+    training_model_pipeline,
 )
 from passes.onnx.node_names import check_node_names
 
@@ -595,6 +596,9 @@ def test_pipeline_order_can_be_printed():
     assert all(": " in line and "\n" not in line for line in described)
     assert [line.split(":")[0] for line in describe_pipeline(eval_model_pipeline())] == [
         "1. TrimEvalBatchNormPass"
+    ]
+    assert [line.split(":")[0] for line in describe_pipeline(training_model_pipeline())] == [
+        "1. DropUnusedOptionalOutputsPass"
     ]
 
 

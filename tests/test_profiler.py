@@ -320,8 +320,13 @@ def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
         "first_only",
         "last_only",
         "bn_inference",  # every batch norm in inference mode, predicted by for_frozen_bn
+        "last_only_inference",  # last_only with batch norms in inference mode (baked: fused)
     }
     assert 0.0 <= resnet18s_profile.forward_saved_fraction <= 1.0
+    moved = np.asarray(resnet18s_profile.inference_forward_moved_us)
+    assert moved.shape == (len(resnet18s_profile.tensors),)
+    inference = resnet18s_profile.for_frozen_bn("inference")
+    assert inference.t_full_us == pytest.approx(resnet18s_profile.t_full_us)
     for name, check in resnet18s_profile.checks.items():
         assert check["predicted_us"] == pytest.approx(check["measured_us"], rel=0.25), name
 
@@ -392,8 +397,8 @@ def test_profile_reuses_the_callers_graph_and_artifacts(tiny_cnn_model, tmp_path
     prof = profile_model(model, tensor_graph=tensor_graph, artifact_cache=cache, **kwargs)
     assert builds == []  # the caller's graph is used
     assert (full.directory, True) in hits  # the full configuration's artifacts are reused
-    # full, no_kernels, first_only, last_only, bn_inference
-    assert len(hits) == len(prof.checks) == 5
+    # full, no_kernels, first_only, last_only, bn_inference, last_only_inference
+    assert len(hits) == len(prof.checks) == 6
     assert prof.tensors == model.names
 
     # Without them: artifacts in a temporary cache, the graph built once from the full

@@ -30,11 +30,18 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 16. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
 17. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
-:func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`).
+:func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
+:func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
+(:class:`DropUnusedOptionalOutputsPass`: e.g. a frozen MaxPool's Indices).
 
 :class:`InferenceBatchNormPass` is applied per selection by :mod:`etgraph.artifacts`
 (``--frozen-bn inference``): the batch norms whose gamma and beta are both unselected
 (:func:`frozen_batch_norms`) run as their inference affine map.
+
+:class:`BakeFrozenParamsPass` is applied per session (:func:`etgraph.artifacts.bake_frozen`):
+the frozen parameters of a training and eval graph (:func:`bakeable_params`) become constants
+valued from the checkpoint the session starts from, so ORT optimises the frozen part as at
+inference.
 
 Every pass follows onnx_ir's contract (:mod:`passes.base`); user errors (ModelError,
 UnsupportedOpError) are raised from ``call`` and reach the caller as themselves through
@@ -46,6 +53,7 @@ from __future__ import annotations
 from onnx_ir.passes import PassManager
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
+from .bake import BakeFrozenParamsPass, bakeable_params
 from .batch_dim import FreeBatchDimPass
 from .batch_norm import (
     DEFAULT_FROZEN_BN,
@@ -62,6 +70,7 @@ from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
 from .rewrite_no_grad_ops import ExpandSumPass, RewriteHardActivationsPass
 from .rewrite_windows import RewriteAveragePoolPass, RewriteLrnPass
+from .training_model import DropUnusedOptionalOutputsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
 from .weights import MaterializeWeightsPass, UntieSharedWeightsPass
 
@@ -73,7 +82,9 @@ __all__ = [
     "DEFAULT_FROZEN_BN",
     "FROZEN_BN_MODES",
     "AddOptionalOutputsPass",
+    "BakeFrozenParamsPass",
     "ConvertOpsetPass",
+    "DropUnusedOptionalOutputsPass",
     "HEAD_KEY",
     "ExpandSumPass",
     "FlattenClassOutputPass",
@@ -92,9 +103,11 @@ __all__ = [
     "TrainableBatchNormPass",
     "TrimEvalBatchNormPass",
     "UntieSharedWeightsPass",
+    "bakeable_params",
     "eval_model_pipeline",
     "frozen_batch_norms",
     "legalization_pipeline",
+    "training_model_pipeline",
 ]
 
 
@@ -132,3 +145,8 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
 def eval_model_pipeline() -> PassManager:
     """The passes applied to ``eval_model.onnx`` after ``generate_artifacts``."""
     return PassManager([TrimEvalBatchNormPass()], steps=1)
+
+
+def training_model_pipeline() -> PassManager:
+    """The passes applied to ``training_model.onnx`` after ``generate_artifacts``."""
+    return PassManager([DropUnusedOptionalOutputsPass()], steps=1)
