@@ -503,6 +503,13 @@ def compile_command(
     type=float,
     help="Peak-memory budget in MiB for the selection (elastic) [none: time budget only].",
 )
+@click.option(
+    "--spinning",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "off", "on", "on+stop"]),
+    help="ORT thread-pool spinning of the training sessions (auto: measured at the start).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @_model_input_options
 def train_command(
@@ -530,6 +537,7 @@ def train_command(
     open_loop,
     deadline,
     memory_mb,
+    spinning,
     quiet,
     preset,
     mean,
@@ -594,6 +602,7 @@ def train_command(
         closed_loop=not open_loop,
         deadline_s=parse_duration(deadline) if deadline is not None else None,
         memory_mb=memory_mb,
+        spinning=spinning,
     )
     memory_profile = _memory_inputs(model, loaded, profile, memory_mb)
     result = train(

@@ -59,7 +59,7 @@ from .artifacts import ArtifactCache, ArtifactPaths
 from .data import Preprocess, load_task_data
 from .errors import ConfigError
 from .model import LoadedModel
-from .sessions import GradientSession
+from .sessions import GradientSession, OrtConfig
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,8 @@ class ImportanceEvaluator:
         threads: ORT intra-op threads (None = ORT's default), the run's setting.
         loss: the loss (``"ce"`` or ``"mse"``; :attr:`etgraph.model.Task.loss`).
         input_names: the model's input names, graph order (to feed single-array batches).
+        config: its session's options (the run's training options, so the reference steps
+            timed on it are measured alike); default the "probe" role's.
 
     Raises:
         ModelError: onnxruntime-training cannot build the all-trainable training graph.
@@ -221,8 +223,10 @@ class ImportanceEvaluator:
         threads: int | None = None,
         loss: str = "ce",
         input_names: Sequence[str] = (),
+        config: OrtConfig | None = None,
     ):
         self.threads = threads
+        self.config = config
         self.input_names = list(input_names)
         self.tensor_names = list(tensor_names)
         self.frozen_names = list(frozen_names)
@@ -243,9 +247,23 @@ class ImportanceEvaluator:
         learning rate 0), so one all-trainable session serves both."""
         if self._session is None:
             self._session = GradientSession(
-                self.paths.directory, self.threads, input_names=self.input_names
+                self.paths.directory, self.threads, input_names=self.input_names, config=self.config
             )
         return self._session
+
+    def adopt(self, session: GradientSession) -> None:
+        """Use ``session`` (already open on this evaluator's artifacts, e.g. the winner of
+        :func:`etgraph.sessions.choose_train_config`) instead of opening one.
+
+        Raises:
+            ValueError: ``session`` is open on other artifacts.
+        """
+        if Path(session.directory) != Path(self.paths.directory):
+            raise ValueError(
+                f"session on {session.directory}, the evaluator's artifacts are "
+                f"{self.paths.directory}"
+            )
+        self._session = session
 
     def close(self) -> None:
         """Release the ORT session (the next evaluation opens it again)."""

@@ -119,7 +119,14 @@ from .selection import (
     MemoryCosts,
     strategy_mask,
 )
-from .sessions import GradientSession, TrainingSession, evaluate_onnx
+from .sessions import (
+    TRAIN_CANDIDATES,
+    ConfigChoice,
+    GradientSession,
+    TrainingSession,
+    choose_train_config,
+    evaluate_onnx,
+)
 from .timing import StepTimeFit, fit_step_times, min_feasible_rho
 
 log = logging.getLogger(__name__)
@@ -169,6 +176,12 @@ class TrainConfig:
         memory_mb: peak-memory budget, MiB (issue #17; ``elastic`` only): the DP selects under
             it with the run's memory model (:class:`etgraph.memory.MemoryProfile`), and the log
             records the predicted peak beside the measured one. None = time budget only.
+        spinning: the ORT session options the run trains with: ``"auto"`` measures the
+            candidates of :data:`etgraph.sessions.TRAIN_CANDIDATES` at the start
+            (:func:`etgraph.sessions.choose_train_config`, on the full artifacts at learning
+            rate 0) and keeps the fastest; or a candidate's label (``"off"``, ``"on"``,
+            ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
+            probe would hold two all-trainable sessions at once).
     """
 
     epochs: int = 12
@@ -193,6 +206,7 @@ class TrainConfig:
     reference_budget: float = 0.01
     deadline_s: float | None = None
     memory_mb: float | None = None
+    spinning: str = "auto"
 
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
@@ -232,6 +246,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--memory-mb must be positive and used with the elastic strategy, got "
                 f"{self.memory_mb} with {self.strategy!r}"
+            )
+        if self.spinning != "auto" and self.spinning not in TRAIN_CANDIDATES:
+            raise ConfigError(
+                f"unknown spinning setting {self.spinning!r}: choose auto or one of "
+                f"{', '.join(TRAIN_CANDIDATES)}"
             )
         for name in ("max_steps_per_epoch", "max_val_batches", "resolution", "threads"):
             value = getattr(self, name)
@@ -277,11 +296,23 @@ def cosine_learning_rate(base_lr: float, step: int, total_steps: int) -> float:
 # ---- the run --------------------------------------------------------------------------------
 
 
-#: The measurements the closed loop fits: ``"_cpu"`` = process CPU time (every thread of the
-#: process; spinning is off, so it is work, not waiting), ``""`` = wall time. On a machine
-#: shared with other work the wall time of one reference step swings 2x with the neighbours'
-#: load, its CPU time by a few % (README, "Closed loop"); on a quiet device they agree.
-FIT_CLOCK = "_cpu"
+def fit_clock(spinning: bool) -> str:
+    """The measurements the closed loop fits, by the run's sessions' spinning: ``"_cpu"`` =
+    process CPU time (every thread of the process) when their pool threads do not spin (CPU
+    time is then work, not waiting), ``""`` = wall time when they spin (a spinning thread's CPU
+    time is waiting). On a machine shared with other work the wall time of one reference step
+    swings 2x with the neighbours' load, its CPU time by a few % (README, "Closed loop"); on a
+    quiet device, where spinning wins (:func:`etgraph.sessions.choose_train_config`), they
+    agree."""
+    return "" if spinning else "_cpu"
+
+
+#: Share of a run's step time the start-of-run probe of session options may take
+#: (:meth:`_Run.choose_ort_config`; at least 2 rounds).
+PROBE_BUDGET = 0.01
+
+#: Rounds of the probe (timed full steps per candidate) at most.
+PROBE_ROUNDS = 4
 
 #: Seconds the end of a run takes besides scoring the exported model (export, plots, summary,
 #: the interpreter's exit with ORT and torch loaded: 2-3 s measured on 2 loaded cores): what
@@ -301,6 +332,30 @@ def reference_positions(steps: int, count: int) -> frozenset[int]:
         return frozenset([0])
     count = min(count, steps - 1)
     return frozenset(1 + int((j + 0.5) * (steps - 1) / count) for j in range(count))
+
+
+def period_reference_positions(
+    steps_per_epoch: int, epochs: int, budget: float, rho: float
+) -> list[frozenset[int]]:
+    """Per epoch of a period, the steps (0-based) after which a full reference step runs.
+
+    Counted over the period, not per epoch: ``budget`` of the period's elastic step time (a
+    reference step costs ``1 + REFERENCE_WARMUP`` full steps, a full step about ``1 / rho``
+    elastic ones), at least one per period, spread evenly over the period's steps
+    (:func:`reference_positions`), so an epoch may have none. On the default model's 179-step
+    epochs at period 3 and rho 0.5 that is one per period, about 0.75% of its time (one per
+    epoch was 2.1-2.5%).
+
+    Args:
+        steps_per_epoch: >= 1. epochs: epochs in the period, >= 1. budget: fraction in (0, 1].
+        rho: the period's requested rho, in (0, 1].
+    """
+    steps = steps_per_epoch * epochs
+    count = max(1, int(budget * rho * steps / (1 + REFERENCE_WARMUP)))
+    out: list[set[int]] = [set() for _ in range(epochs)]
+    for i in reference_positions(steps, count):
+        out[i // steps_per_epoch].add(i % steps_per_epoch)
+    return [frozenset(s) for s in out]
 
 
 def reference_ratio(
@@ -409,6 +464,10 @@ class _Run:
         self._evaluator = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self.fit = StepTimeFit()
+        # The training sessions' options: measured at the start of run() unless given.
+        label = "off" if config.spinning == "auto" else config.spinning
+        self.ort = ConfigChoice.given(label)
+        self._probe_s = 0.0  # the probe's time, charged to the next epoch trained
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.started_at = time.perf_counter()  # the deadline counts from here (or the CLI's)
         p = profile
@@ -428,6 +487,7 @@ class _Run:
                 threads=self.threads,
                 loss=self.model.task.loss,
                 input_names=self.model.input_names,
+                config=self.ort.config,
             )
         return self._evaluator
 
@@ -476,7 +536,10 @@ class _Run:
             else:
                 paths, _, _ = self.artifacts(np.ones(len(self.names), dtype=bool))
                 self._reference = GradientSession(
-                    paths.directory, self.threads, input_names=self.model.input_names
+                    paths.directory,
+                    self.threads,
+                    input_names=self.model.input_names,
+                    config=self.ort.config,
                 )
             batch = self.dataset.probe_batch(
                 self.config.batch_size, _probe_seed(self.config.seed, 0)
@@ -559,16 +622,55 @@ class _Run:
                 "or more, or fewer --epochs"
             )
 
+    def choose_ort_config(self) -> None:
+        """Measure which options the run's sessions train fastest with (``spinning="auto"``):
+        :func:`etgraph.sessions.choose_train_config` on the full artifacts (the reference
+        steps' and importance's, so nothing more is generated), on a probe batch at learning
+        rate 0. Rounds: what :data:`PROBE_BUDGET` of the run's steps allows, 2 to
+        :data:`PROBE_ROUNDS`. The winner's session becomes the full reference session (and
+        importance's), so only the losers' cost is extra; the probe's time is charged to the
+        next epoch's wall time (``ort_probe_s``)."""
+        cfg = self.config
+        if cfg.spinning != "auto":
+            return
+        if cfg.memory_mb is not None:
+            log.info("session options: spinning off (not probed under --memory-mb)")
+            return
+        t0 = time.perf_counter()
+        # importance's all-trainable artifacts too (same cache key)
+        directory = self.artifacts(np.ones(len(self.names), dtype=bool))[0].directory
+        batch = self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, 0))
+        per_round = 2 * len(TRAIN_CANDIDATES)  # full steps a round costs
+        affordable = PROBE_BUDGET * self.total_steps * self.rho / per_round
+        rounds = int(min(PROBE_ROUNDS, max(2, affordable)))
+        choice, winner = choose_train_config(
+            directory, batch, self.threads, input_names=self.model.input_names, rounds=rounds
+        )
+        self.ort = choice
+        if cfg.strategy in IMPORTANCE_STRATEGIES:  # one all-trainable session serves both
+            self.evaluator().adopt(winner)
+            self._reference = winner
+        elif cfg.strategy != "full":
+            self._reference = winner
+        self._probe_s += time.perf_counter() - t0
+        log.info(
+            "session options: spinning %s (full step %s; probe %.2f s)",
+            choice.label,
+            ", ".join(f"{k} {v:.2f} ms" for k, v in choice.step_ms.items()),
+            self._probe_s,
+        )
+
     def fit_time_model(self, records: list[dict]) -> StepTimeFit:
         """The time-model correction from the epochs measured so far (identity in the open loop
         or before any reference step)."""
         rows = [r for r in records if r.get("reference_steps")]
         if not self.config.closed_loop or not rows:
             return StepTimeFit()
+        clock = fit_clock(self.ort.config.spinning)
         return fit_step_times(
             [r["predicted_step_us"] for r in rows],
-            [r[f"median_step{FIT_CLOCK}_us"] for r in rows],
-            [r[f"reference_step{FIT_CLOCK}_us"] for r in rows],
+            [r[f"median_step{clock}_us"] for r in rows],
+            [r[f"reference_step{clock}_us"] for r in rows],
             self.profile.t_full_us,
         )
 
@@ -582,6 +684,7 @@ class _Run:
         (self.out / SESSION_DIR).mkdir(parents=True, exist_ok=True)
         records = list(history)
         period_start = start_epoch
+        self.choose_ort_config()
         while period_start < cfg.epochs:
             period = period_start // cfg.period
             period_end = min((period + 1) * cfg.period, cfg.epochs)
@@ -701,10 +804,7 @@ class _Run:
         t_ref = time.perf_counter()
         if cfg.strategy != "full":
             reference = self.reference_session()
-            count = int(
-                cfg.reference_budget * self.rho * self.steps_per_epoch / (1 + REFERENCE_WARMUP)
-            )
-            reference_at = reference_positions(self.steps_per_epoch, max(1, count))
+            reference_at = self.reference_steps_at(epoch, period)
         reference_setup_s = time.perf_counter() - t_ref  # the first epoch opens the session
         reference_s = reference_setup_s
         t_epoch = time.perf_counter()
@@ -752,7 +852,8 @@ class _Run:
             ratio = reference_ratio(step_cpu, reference_cpu, first)
             reference_cpu_us = median_cpu_us / ratio if ratio > 0 else float("nan")
         t = timings or {}
-        epoch_s = train_s + t.get("reselection_s", 0.0) + reference_setup_s
+        probe_s, self._probe_s = self._probe_s, 0.0
+        epoch_s = train_s + t.get("reselection_s", 0.0) + reference_setup_s + probe_s
         previous = records[-1]["cumulative_wall_time_s"] if records else 0.0
         record = EpochRecord(
             epoch=epoch + 1,
@@ -793,6 +894,9 @@ class _Run:
             reference_step_cpu_us=reference_cpu_us,
             rho_measured_cpu=median_cpu_us / reference_cpu_us,
             val_s=val_s,
+            ort_config=self.ort.label,
+            ort_probe_s=probe_s,
+            ort_probe_step_ms=dict(self.ort.step_ms) if probe_s else None,
             predicted_peak_mb=(
                 None if self.memory_profile is None else self.memory_profile.peak_mb(mask)
             ),
@@ -805,6 +909,17 @@ class _Run:
                 f"{epoch_s:.1f}s  {int(mask.sum())}/{mask.size} tensors"
             )
         return record
+
+    def reference_steps_at(self, epoch: int, period: int) -> frozenset[int]:
+        """Steps of ``epoch`` (0-based) after which a full reference step runs
+        (:func:`period_reference_positions` of its period)."""
+        cfg = self.config
+        first = period * cfg.period
+        epochs = min(first + cfg.period, cfg.epochs) - first
+        positions = period_reference_positions(
+            self.steps_per_epoch, epochs, cfg.reference_budget, self.rho
+        )
+        return positions[epoch - first]
 
     def _diverged(self, epoch: int, period: int, step: int, loss: float, lr: float) -> None:
         """Stop the run at the first non-finite loss (epoch 0-based, step 1-based): one line that
@@ -901,6 +1016,7 @@ class _Run:
             self.threads,
             loss=self.model.task.loss,
             input_names=self.model.input_names,
+            config=self.ort.config,
         )
 
 
