@@ -308,7 +308,7 @@ def fit_clock(spinning: bool) -> str:
 
 
 #: Share of a run's step time the start-of-run probe of session options may take
-#: (:meth:`_Run.choose_ort_config`; at least 2 rounds).
+#: (:meth:`_Run.choose_ort_config`; at least 3 rounds).
 PROBE_BUDGET = 0.01
 
 #: Rounds of the probe (timed full steps per candidate) at most.
@@ -626,7 +626,7 @@ class _Run:
         """Measure which options the run's sessions train fastest with (``spinning="auto"``):
         :func:`etgraph.sessions.choose_train_config` on the full artifacts (the reference
         steps' and importance's, so nothing more is generated), on a probe batch at learning
-        rate 0. Rounds: what :data:`PROBE_BUDGET` of the run's steps allows, 2 to
+        rate 0. Rounds: what :data:`PROBE_BUDGET` of the run's steps allows, 3 to
         :data:`PROBE_ROUNDS`. The winner's session becomes the full reference session (and
         importance's), so only the losers' cost is extra; the probe's time is charged to the
         next epoch's wall time (``ort_probe_s``)."""
@@ -642,7 +642,7 @@ class _Run:
         batch = self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, 0))
         per_round = 2 * len(TRAIN_CANDIDATES)  # full steps a round costs
         affordable = PROBE_BUDGET * self.total_steps * self.rho / per_round
-        rounds = int(min(PROBE_ROUNDS, max(2, affordable)))
+        rounds = int(min(PROBE_ROUNDS, max(3, affordable)))
         choice, winner = choose_train_config(
             directory, batch, self.threads, input_names=self.model.input_names, rounds=rounds
         )

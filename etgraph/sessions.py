@@ -487,8 +487,10 @@ def pick_fastest(
     from the previous stepper: caches, a pool waking up, and is not timed), the order reversed
     every other round, so load drift hits all alike. After each round a stepper whose median so
     far exceeds the best one's by more than ``drop`` runs no more (under load spinning is 2-3x
-    slower: one round settles it). The first stepper is the default: another wins only if its
-    median is below the default's by more than ``margin`` (a fraction).
+    slower: one round settles it). The first stepper is the default and runs every round:
+    another wins only if its median is below the default's by more than ``margin`` (a
+    fraction) and it was faster than the default in every round (a burst of other work on the
+    machine can make any one step slow; a real gain shows in each).
 
     Args:
         steppers: label -> a callable running one step (at least one; insertion order).
@@ -517,12 +519,20 @@ def pick_fastest(
             times[label].append(clock() - t0)
         so_far = {label: float(np.median(times[label])) for label in running}
         fastest = min(so_far.values())
-        running = [label for label in running if so_far[label] <= fastest * (1.0 + drop)]
+        running = [
+            label
+            for label in running
+            if label == labels[0] or so_far[label] <= fastest * (1.0 + drop)
+        ]
     medians = {label: float(np.median(t)) for label, t in times.items()}
-    best = min(running, key=medians.__getitem__)
-    if labels[0] in running and medians[best] >= medians[labels[0]] * (1.0 - margin):
-        best = labels[0]
-    return best, medians
+    default = labels[0]
+
+    def wins(label: str) -> bool:
+        paired = zip(times[label], times[default], strict=False)  # the rounds both ran
+        return medians[label] < medians[default] * (1.0 - margin) and all(t < d for t, d in paired)
+
+    faster = [label for label in running if label != default and wins(label)]
+    return min(faster, key=medians.__getitem__, default=default), medians
 
 
 def choose_train_config(
