@@ -314,6 +314,11 @@ PROBE_BUDGET = 0.01
 #: Rounds of the probe (timed full steps per candidate) at most.
 PROBE_ROUNDS = 4
 
+#: No probe when the 1-minute load average is at least this many times the cores the process
+#: may use: spinning then loses to spinning off (1.6-3.3x slower at every load >= 1.4 measured
+#: on 2 cores, README "ORT session options") and the probe would only cost time.
+PROBE_MAX_LOAD_PER_CORE = 1.0
+
 #: Seconds the end of a run takes besides scoring the exported model (export, plots, summary,
 #: the interpreter's exit with ORT and torch loaded: 2-3 s measured on 2 loaded cores): what
 #: deadline mode keeps free at the end.
@@ -468,6 +473,7 @@ class _Run:
         label = "off" if config.spinning == "auto" else config.spinning
         self.ort = ConfigChoice.given(label)
         self._probe_s = 0.0  # the probe's time, charged to the next epoch trained
+        self._ort_pending = False  # the choice is logged with the next epoch
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.started_at = time.perf_counter()  # the deadline counts from here (or the CLI's)
         p = profile
@@ -629,12 +635,23 @@ class _Run:
         rate 0. Rounds: what :data:`PROBE_BUDGET` of the run's steps allows, 3 to
         :data:`PROBE_ROUNDS`. The winner's session becomes the full reference session (and
         importance's), so only the losers' cost is extra; the probe's time is charged to the
-        next epoch's wall time (``ort_probe_s``)."""
+        next epoch's wall time (``ort_probe_s``). Not probed (spinning off) under ``memory_mb``
+        (two all-trainable sessions at once) or at a load average of
+        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more."""
         cfg = self.config
         if cfg.spinning != "auto":
             return
+        note = ""
+        cores = len(os.sched_getaffinity(0))
+        load = os.getloadavg()[0]
         if cfg.memory_mb is not None:
-            log.info("session options: spinning off (not probed under --memory-mb)")
+            note = "not probed under --memory-mb"
+        elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
+            note = f"not probed: load average {load:.1f} >= {cores} cores"
+        if note:
+            self.ort = ConfigChoice.given("off", note)
+            self._ort_pending = True
+            log.info("session options: spinning off (%s)", note)
             return
         t0 = time.perf_counter()
         # importance's all-trainable artifacts too (same cache key)
@@ -653,6 +670,7 @@ class _Run:
         elif cfg.strategy != "full":
             self._reference = winner
         self._probe_s += time.perf_counter() - t0
+        self._ort_pending = True
         log.info(
             "session options: spinning %s (full step %s; probe %.2f s)",
             choice.label,
@@ -853,6 +871,7 @@ class _Run:
             reference_cpu_us = median_cpu_us / ratio if ratio > 0 else float("nan")
         t = timings or {}
         probe_s, self._probe_s = self._probe_s, 0.0
+        chose, self._ort_pending = self._ort_pending, False
         epoch_s = train_s + t.get("reselection_s", 0.0) + reference_setup_s + probe_s
         previous = records[-1]["cumulative_wall_time_s"] if records else 0.0
         record = EpochRecord(
@@ -896,7 +915,8 @@ class _Run:
             val_s=val_s,
             ort_config=self.ort.label,
             ort_probe_s=probe_s,
-            ort_probe_step_ms=dict(self.ort.step_ms) if probe_s else None,
+            ort_probe_step_ms=dict(self.ort.step_ms) if chose and self.ort.step_ms else None,
+            ort_note=self.ort.note if chose else "",
             predicted_peak_mb=(
                 None if self.memory_profile is None else self.memory_profile.peak_mb(mask)
             ),

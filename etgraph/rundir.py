@@ -145,6 +145,7 @@ class EpochRecord:
     ort_config: str = "off"  # the sessions' options (etgraph.sessions.TRAIN_CANDIDATES label)
     ort_probe_s: float = 0.0  # choosing them at the run's start (in wall_time_s)
     ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step (probe)
+    ort_note: str = ""  # why the options were not probed (with the epoch that chose them)
 
 
 @dataclass
@@ -176,6 +177,7 @@ class TrainResult:
     ort_config: str = "off"  # the sessions' options the run trained with (last epoch's)
     ort_probe_s: float = 0.0  # choosing them by measurement (in wall_time_s)
     ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step, probed
+    ort_note: str = ""  # why they were not probed
 
 
 # ---- run.json and the directory ---------------------------------------------------------------
@@ -455,6 +457,7 @@ def summarize(
         ort_probe_step_ms=next(
             (r["ort_probe_step_ms"] for r in records if r.get("ort_probe_step_ms")), None
         ),
+        ort_note=next((r["ort_note"] for r in records if r.get("ort_note")), ""),
     )
 
 
@@ -498,6 +501,8 @@ def format_summary(result: TrainResult) -> str:
             + ", ".join(f"{k} {v:.2f} ms" for k, v in result.ort_probe_step_ms.items())
             + ")"
             if result.ort_probe_step_ms
+            else f"  ({result.ort_note})"
+            if result.ort_note
             else ""
         ),
         f"selection           first {result.first_selection_s:.2f} s, re-selections "

@@ -446,6 +446,7 @@ class ConfigChoice:
             the options were given, not probed.
         steps: timed steps per candidate.
         seconds: wall time of the probe (sessions opened, warm-up and timed steps), s.
+        note: why it was not probed ("" if it was, or was given).
     """
 
     label: str
@@ -453,23 +454,25 @@ class ConfigChoice:
     step_ms: dict[str, float]
     steps: int = 0
     seconds: float = 0.0
+    note: str = ""
 
     @classmethod
-    def given(cls, label: str) -> ConfigChoice:
-        """The candidate ``label`` without a probe.
+    def given(cls, label: str, note: str = "") -> ConfigChoice:
+        """The candidate ``label`` without a probe (``note``: why).
 
         Raises:
             KeyError: ``label`` is not a key of :data:`TRAIN_CANDIDATES`.
         """
-        return cls(label, TRAIN_CANDIDATES[label], {})
+        return cls(label, TRAIN_CANDIDATES[label], {}, note=note)
 
     def to_json(self) -> dict:
-        """``{"label", "step_ms", "steps", "seconds"}`` for logs and summaries."""
+        """``{"label", "step_ms", "steps", "seconds", "note"}`` for logs and summaries."""
         return {
             "label": self.label,
             "step_ms": dict(self.step_ms),
             "steps": self.steps,
             "seconds": self.seconds,
+            "note": self.note,
         }
 
 
@@ -487,7 +490,8 @@ def pick_fastest(
     from the previous stepper: caches, a pool waking up, and is not timed), the order reversed
     every other round, so load drift hits all alike. After each round a stepper whose median so
     far exceeds the best one's by more than ``drop`` runs no more (under load spinning is 2-3x
-    slower: one round settles it). The first stepper is the default and runs every round:
+    slower: one round settles it; with only the default left the measurement stops). The first
+    stepper is the default and runs every round:
     another wins only if its median is below the default's by more than ``margin`` (a
     fraction) and it was faster than the default in every round (a burst of other work on the
     machine can make any one step slow; a real gain shows in each).
@@ -524,6 +528,8 @@ def pick_fastest(
             for label in running
             if label == labels[0] or so_far[label] <= fastest * (1.0 + drop)
         ]
+        if len(running) == 1:  # the default alone: nothing left to compare
+            break
     medians = {label: float(np.median(t)) for label, t in times.items()}
     default = labels[0]
 

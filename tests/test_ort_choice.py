@@ -87,16 +87,24 @@ def test_spinning_setting_is_validated_and_sets_the_fit_clock():
 
 @pytest.mark.slow
 def test_run_probes_session_options_without_changing_what_it_trains(
-    tmp_path, default_profile, default_model
+    tmp_path, default_profile, default_model, monkeypatch
 ):
     """``spinning="auto"`` measures the candidates at the start (logged, charged to the first
     epoch) at learning rate 0 on a throwaway copy: the run trains exactly what a run with the
-    options given trains (open loop: same selections, same losses)."""
+    options given trains (open loop: same selections, same losses). On a loaded machine it
+    does not probe (spinning off, the reason in the summary)."""
+    from etgraph import loop
     from etgraph.loop import train
     from etgraph.rundir import read_log
 
     prof, _ = default_profile
     common = dict(epochs=2, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
+    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", 0.0)  # every load is too high
+    cfg = TrainConfig(closed_loop=False, **common)
+    loaded = train(default_model, prof, cfg, tmp_path / "loaded", progress=False)
+    assert loaded.ort_config == "off" and loaded.ort_probe_s == 0
+    assert loaded.ort_note.startswith("not probed: load average")
+    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # probe at any load
     runs = {}
     for spinning in ("auto", "off"):
         cfg = TrainConfig(closed_loop=False, spinning=spinning, **common)
