@@ -319,6 +319,11 @@ PROBE_ROUNDS = 4
 #: on 2 cores, README "ORT session options") and the probe would only cost time.
 PROBE_MAX_LOAD_PER_CORE = 1.0
 
+#: The options are chosen again at a period start when the last period's full step measured
+#: alike moved by this factor from the one measured when they were chosen (the machine's
+#: speed changed: other work started or stopped).
+REPROBE_FACTOR = 1.5
+
 #: Seconds the end of a run takes besides scoring the exported model (export, plots, summary,
 #: the interpreter's exit with ORT and torch loaded: 2-3 s measured on 2 loaded cores): what
 #: deadline mode keeps free at the end.
@@ -474,6 +479,7 @@ class _Run:
         self.ort = ConfigChoice.given(label)
         self._probe_s = 0.0  # the probe's time, charged to the next epoch trained
         self._ort_pending = False  # the choice is logged with the next epoch
+        self._ort_base_ms: float | None = None  # the full step (ms) when it was chosen
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.started_at = time.perf_counter()  # the deadline counts from here (or the CLI's)
         p = profile
@@ -628,7 +634,7 @@ class _Run:
                 "or more, or fewer --epochs"
             )
 
-    def choose_ort_config(self) -> None:
+    def choose_ort_config(self) -> bool:
         """Measure which options the run's sessions train fastest with (``spinning="auto"``):
         :func:`etgraph.sessions.choose_train_config` on the full artifacts (the reference
         steps' and importance's, so nothing more is generated), on a probe batch at learning
@@ -637,22 +643,32 @@ class _Run:
         importance's), so only the losers' cost is extra; the probe's time is charged to the
         next epoch's wall time (``ort_probe_s``). Not probed (spinning off) under ``memory_mb``
         (two all-trainable sessions at once) or at a load average of
-        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more."""
+        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more. Returns whether the options changed
+        (the training session must then be opened again)."""
         cfg = self.config
         if cfg.spinning != "auto":
-            return
+            return False
+        before = self.ort.label
         note = ""
         cores = len(os.sched_getaffinity(0))
         load = os.getloadavg()[0]
+        if self.ort.config.spinning:  # the run's own spinning pool threads count as load
+            load -= (self.threads or cores) - 1
         if cfg.memory_mb is not None:
             note = "not probed under --memory-mb"
         elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
-            note = f"not probed: load average {load:.1f} >= {cores} cores"
+            note = f"not probed: load average {load:.1f} (other work) >= {cores} cores"
         if note:
             self.ort = ConfigChoice.given("off", note)
+            self._ort_base_ms = None  # the speed to watch: the first period's full step
             self._ort_pending = True
             log.info("session options: spinning off (%s)", note)
-            return
+            if before != "off":  # sessions open with other options: open them again
+                self._reference = None
+                if self._evaluator is not None:
+                    self._evaluator.config = self.ort.config
+                    self._evaluator.close()
+            return before != "off"
         t0 = time.perf_counter()
         # importance's all-trainable artifacts too (same cache key)
         directory = self.artifacts(np.ones(len(self.names), dtype=bool))[0].directory
@@ -664,7 +680,10 @@ class _Run:
             directory, batch, self.threads, input_names=self.model.input_names, rounds=rounds
         )
         self.ort = choice
+        self._ort_base_ms = choice.step_ms[choice.label]
+        self._reference = None  # the winner replaces any session open with other options
         if cfg.strategy in IMPORTANCE_STRATEGIES:  # one all-trainable session serves both
+            self.evaluator().config = choice.config
             self.evaluator().adopt(winner)
             self._reference = winner
         elif cfg.strategy != "full":
@@ -677,6 +696,33 @@ class _Run:
             ", ".join(f"{k} {v:.2f} ms" for k, v in choice.step_ms.items()),
             self._probe_s,
         )
+        return choice.label != before
+
+    def recheck_ort_config(self, records: list[dict]) -> bool:
+        """At a period start: choose the options again (:meth:`choose_ort_config`) when the
+        last period's full step measured alike (``reference_step_us``, wall) moved by
+        :data:`REPROBE_FACTOR` or more from the one measured when they were chosen. Returns
+        whether they changed."""
+        cfg = self.config
+        last = [
+            r["reference_step_us"]
+            for r in records[-cfg.period :]
+            if np.isfinite(r.get("reference_step_us", np.nan))
+        ]
+        if cfg.spinning != "auto" or cfg.memory_mb is not None or not last:
+            return False
+        now_ms = float(np.median(last)) / 1e3
+        if self._ort_base_ms is None:
+            self._ort_base_ms = now_ms
+            return False
+        factor = now_ms / self._ort_base_ms
+        if 1 / REPROBE_FACTOR < factor < REPROBE_FACTOR:
+            return False
+        log.info("full step %.2f ms, %.2fx the last choice's: choosing again", now_ms, factor)
+        changed = self.choose_ort_config()
+        if self._ort_base_ms is None or not self.ort.step_ms:
+            self._ort_base_ms = now_ms
+        return changed
 
     def fit_time_model(self, records: list[dict]) -> StepTimeFit:
         """The time-model correction from the epochs measured so far (identity in the open loop
@@ -709,6 +755,8 @@ class _Run:
             reset_peak_rss()
             if session is not None:  # the state at the end of the last period, as checkpointed
                 carried, _, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
+                if self.recheck_ort_config(records):
+                    session = None  # opened again with the new options
             if cfg.deadline_s is not None:
                 self.rho = self.deadline_rho(period_start, records)
             session, mask, timings = self._reselect(period, session, mask_prev, carried, records)
