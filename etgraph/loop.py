@@ -16,9 +16,16 @@ What ``etgraph train`` runs on the device. Every ``period`` epochs (paper: 3):
 5. **train** ``period`` epochs with cosine learning-rate decay set every step
    (:class:`etgraph.sessions.TrainingSession`).
 
+**Session options.** Before the first period the run measures which ORT options its sessions
+train fastest with (:meth:`_Run.choose_ort_config`: thread-pool spinning off / on / on with
+``force_spinning_stop``, full steps side by side at learning rate 0 on the full artifacts;
+``spinning``), and chooses again when the full step measured alike moves by
+:data:`REPROBE_FACTOR` (:meth:`_Run.recheck_ort_config`).
+
 **Measured alike, closed loop.** A few full training steps (all tensors, a separate persistent
-session on the full artifacts, the same batches and clock) are interleaved with every epoch's
-steps — about ``reference_budget`` (1%) of the epoch's time, at least one — so that the achieved
+session on the full artifacts, the same batches and clock) are interleaved with the period's
+steps — about ``reference_budget`` (1%) of the period's time, at least one
+(:func:`period_reference_positions`) — so that the achieved
 rho is an elastic step over a full step measured in the same conditions (``rho_measured`` per
 epoch, ``rho_achieved`` in the summary). With ``closed_loop`` (default) every period fits the
 time model to those measurements (:func:`etgraph.timing.fit_step_times`: the median of the
