@@ -575,9 +575,10 @@ class _Run:
         epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last period's epochs
         (measured progress, the machine's load included): ``u`` = mean step / the rho it was
         asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside its steps
-        (re-selection, reference steps, validation). Before any epoch: ``u`` = the profile's
-        full step measured now (:meth:`_full_step_now_s`), ``fixed`` = a validation pass at a
-        third of a full step per batch. Clamped to [the cheapest selection's rho, 1].
+        (re-selection, reference steps, validation; not the one-off choice of session
+        options). Before any epoch: ``u`` = the profile's full step measured now
+        (:meth:`_full_step_now_s`), ``fixed`` = a validation pass at a third of a full step
+        per batch. Clamped to [the cheapest selection's rho, 1].
         """
         cfg = self.config
         epochs_left = cfg.epochs - epoch
@@ -588,7 +589,10 @@ class _Run:
             fixed = float(
                 np.mean(
                     [
-                        r["wall_time_s"] + r["val_s"] - r["steps"] * r["measured_step_us"] * 1e-6
+                        r["wall_time_s"]
+                        - r.get("ort_probe_s", 0.0)  # one-off, not per epoch
+                        + r["val_s"]
+                        - r["steps"] * r["measured_step_us"] * 1e-6
                         for r in last
                     ]
                 )
