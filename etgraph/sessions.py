@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -106,11 +106,12 @@ ROLES: dict[str, OrtConfig] = {
 #: 1.4-12), ORT's default (spinning on: 0.79x of off for a training step alone on a quiet
 #: machine, but 2.3x slower when another session runs next) and spinning on with
 #: ``force_spinning_stop`` (0.80-0.94x of off on a quiet machine in every role). The first is
-#: the default: another must be faster by :data:`CHOICE_MARGIN` to be chosen.
+#: the default: another must be faster by :data:`CHOICE_MARGIN` to be chosen. Each is the
+#: ``train`` role's options with only the spinning changed.
 TRAIN_CANDIDATES: dict[str, OrtConfig] = {
-    "off": _NO_SPINNING,
-    "on": OrtConfig(spinning=True),
-    "on+stop": OrtConfig(spinning=True, stop_spinning=True),
+    "off": replace(ROLES["train"], spinning=False, stop_spinning=False),
+    "on": replace(ROLES["train"], spinning=True, stop_spinning=False),
+    "on+stop": replace(ROLES["train"], spinning=True, stop_spinning=True),
 }
 
 #: A candidate replaces the first (the default) only if its median step is this much shorter.

@@ -4,13 +4,14 @@ by side at the start of a run, and reference steps counted over the period."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from etgraph.errors import ConfigError
 from etgraph.loop import TrainConfig, fit_clock
-from etgraph.sessions import TRAIN_CANDIDATES, ConfigChoice, pick_fastest
+from etgraph.sessions import ROLES, TRAIN_CANDIDATES, ConfigChoice, pick_fastest
 
 
 class _FakeClock:
@@ -73,6 +74,8 @@ def test_config_choice_given_and_json():
     assert choice.config == TRAIN_CANDIDATES["on+stop"]
     assert choice.config.spinning and choice.config.stop_spinning
     assert not TRAIN_CANDIDATES["off"].spinning
+    for config in TRAIN_CANDIDATES.values():  # the train role's options but the spinning
+        assert replace(config, spinning=False, stop_spinning=False) == ROLES["train"]
     assert json.loads(json.dumps(choice.to_json()))["label"] == "on+stop"
     with pytest.raises(KeyError, match="fast"):
         ConfigChoice.given("fast")
