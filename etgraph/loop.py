@@ -316,7 +316,12 @@ def fit_clock(spinning: bool) -> str:
 
 #: Share of a run's step time the start-of-run probe of session options may take
 #: (:meth:`_Run.choose_ort_config`; at least 3 rounds).
-PROBE_BUDGET = 0.01
+PROBE_BUDGET = 0.02
+
+#: What a probe costs, in full steps of the run's model: three sessions opened, their first
+#: steps and 3 rounds (0.48 s against a 6.1 ms full step on the default model, load 2.2). A
+#: run whose :data:`PROBE_BUDGET` is less is not probed.
+PROBE_COST_FULL_STEPS = 80
 
 #: Rounds of the probe (timed full steps per candidate) at most.
 PROBE_ROUNDS = 4
@@ -653,9 +658,10 @@ class _Run:
         :data:`PROBE_ROUNDS`. The winner's session becomes the full reference session (and
         importance's), so only the losers' cost is extra; the probe's time is charged to the
         next epoch's wall time (``ort_probe_s``). Not probed (spinning off) under ``memory_mb``
-        (two all-trainable sessions at once) or at a load average of
-        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more. Returns whether the options changed
-        (the training session must then be opened again)."""
+        (two all-trainable sessions at once), at a load average of
+        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more, or in a run too short to pay for it
+        (:data:`PROBE_COST_FULL_STEPS` above :data:`PROBE_BUDGET` of its steps). Returns
+        whether the options changed (the training session must then be opened again)."""
         cfg = self.config
         if cfg.spinning != "auto":
             return False
@@ -669,6 +675,11 @@ class _Run:
             note = "not probed under --memory-mb"
         elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
             note = f"not probed: load average {load:.1f} (other work) >= {cores} cores"
+        elif PROBE_BUDGET * self.total_steps * self.rho < PROBE_COST_FULL_STEPS:
+            note = (
+                f"not probed: {self.total_steps} steps at rho {self.rho:.2f} are too few to pay "
+                f"for it (about {PROBE_COST_FULL_STEPS} full steps)"
+            )
         if note:
             self.ort = ConfigChoice.given("off", note)
             self._ort_base_ms = None  # the speed to watch: the first period's full step

@@ -108,6 +108,9 @@ def test_run_probes_session_options_without_changing_what_it_trains(
     assert loaded.ort_config == "off" and loaded.ort_probe_s == 0
     assert loaded.ort_note.startswith("not probed: load average")
     monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # probe at any load
+    short = train(default_model, prof, cfg, tmp_path / "short", progress=False)
+    assert short.ort_probe_s == 0 and "too few to pay for it" in short.ort_note
+    monkeypatch.setattr(loop, "PROBE_COST_FULL_STEPS", 0)  # and in a short run
     monkeypatch.setattr(loop, "REPROBE_FACTOR", 1.0 + 1e-9)  # and again every period
     runs = {}
     for spinning in ("auto", "off"):
