@@ -167,7 +167,7 @@ def main(
         print("* = CPU hog running")
     print(
         f"{'rho':>5} {'loop':<7}{'achieved':>9}{'cpu':>7}{'max|err| p1+ wall':>19}{'cpu':>7}"
-        f"{'speedup':>9}{'ref %':>7}{'fit ms':>8}  load average"
+        f"{'speedup':>9}{'ref %':>7}{'fit ms':>8}{'sel':>5}  spinning  load average"
     )
     for r in results:
         s = r["summary"]
@@ -176,11 +176,12 @@ def main(
             for k in ("rho_measured", "rho_measured_cpu")
         }
         fit_ms = 1e3 * sum(rec["fit_s"] for rec in r["records"])
+        distinct = len({tuple(rec["selection"]) for rec in r["records"]})
         print(
             f"{r['rho']:>5.2f} {r['loop']:<7}{s['rho_achieved']:>9.3f}{s['rho_achieved_cpu']:>7.3f}"
             f"{errs['rho_measured']:>18.1f}%{errs['rho_measured_cpu']:>6.1f}%"
             f"{s['speedup']:>8.2f}x{s['reference_overhead_pct']:>6.2f}%{fit_ms:>8.2f}"
-            f"  {r['load_average'][0]} -> {r['load_average'][1]}"
+            f"{distinct:>5}  {s['ort_config']:<8}  {r['load_average'][0]} -> {r['load_average'][1]}"
         )
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1, default=str))

@@ -6,11 +6,14 @@ tensors that fits ``rho * T_full``, a selection that does not depend on importan
 trains exactly the artifacts the bare loop steps):
 
 * ``etgraph loop`` — :func:`etgraph.loop.train` itself, one epoch of ``--steps`` steps on the
-  embedded digits task (open loop, so no reference steps are interleaved): the loop's time
-  per step, ``(epoch wall time - re-selection) / steps`` (data, learning rate, progress bar
-  and the step), and its median step (``median_step_us``);
-* ``etgraph session`` — :meth:`etgraph.sessions.TrainingSession.train_step` stepped in a
-  plain loop over the same batches (the "train" role's options);
+  embedded digits task (open loop), with its session options chosen by the run's own probe
+  (``spinning="auto"``, :func:`etgraph.sessions.choose_train_config`; the label chosen is
+  printed): the loop's time per step, ``(epoch wall time - re-selection - reference steps -
+  probe) / steps`` (data, learning rate, progress bar and the step), and its median step
+  (``median_step_us``); the probe's time per run is printed beside;
+* ``etgraph session <label>`` — :meth:`etgraph.sessions.TrainingSession.train_step` stepped
+  in a plain loop over the same batches with each candidate of
+  :data:`etgraph.sessions.TRAIN_CANDIDATES`;
 * ``ORT defaults`` — ``onnxruntime.training.api.Module`` + ``Optimizer`` with ORT's default
   ``SessionOptions`` (``module(x, y)``, ``optimizer.step()``, ``lazy_reset_grad()``, the API's
   documented loop) over the same batches.
@@ -51,7 +54,7 @@ from etgraph.profile import default_cache_dir  # noqa: E402
 from etgraph.profiler import profile_model  # noqa: E402
 from etgraph.rundir import read_log  # noqa: E402
 from etgraph.selection import select_for_rho  # noqa: E402
-from etgraph.sessions import TrainingSession  # noqa: E402
+from etgraph.sessions import TRAIN_CANDIDATES, TrainingSession  # noqa: E402
 
 
 def _load() -> str:
@@ -79,8 +82,10 @@ def _bare_steps(directory: Path, batches) -> list[float]:
     return times[1:]
 
 
-def _session_steps(directory: Path, batches, threads, input_names) -> list[float]:
-    session = TrainingSession(directory, directory / "checkpoint", threads, input_names=input_names)
+def _session_steps(directory: Path, batches, threads, input_names, config) -> list[float]:
+    session = TrainingSession(
+        directory, directory / "checkpoint", threads, input_names=input_names, config=config
+    )
     times = []
     for x, y in batches:
         t0 = time.perf_counter()
@@ -108,6 +113,8 @@ def main(rounds, steps, rho, json_path):
     batches = list(data.train_batches(4, seed=0))[:steps]
     load_start = _load()
     times: dict[tuple[str, str], list[float]] = {}
+    chosen: dict[str, list[str]] = {}
+    probe_s: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="etgraph-loopvsort-") as work:
         cache = ArtifactCache(Path(work) / "artifacts")
         dirs = {k: cache.get(model.proto, *model.split(m))[0].directory for k, m in masks.items()}
@@ -129,16 +136,24 @@ def main(rounds, steps, rho, json_path):
                     model, prof, cfg, out, artifacts_root=Path(work) / "artifacts", progress=False
                 )
                 rec = read_log(out)[0]
-                loop_s = (rec["wall_time_s"] - rec["reselection_s"] - rec["reference_s"]) / steps
+                loop_s = (rec["wall_time_s"] - rec["reselection_s"] - rec["reference_s"]) - rec[
+                    "ort_probe_s"
+                ]
+                loop_s /= steps
+                chosen.setdefault(kind, []).append(rec["ort_config"])
+                probe_s.setdefault(kind, []).append(rec["ort_probe_s"])
                 times.setdefault((kind, "etgraph loop"), []).append(loop_s)
                 times.setdefault((kind, "etgraph loop, median step"), []).append(
                     rec["median_step_us"] * 1e-6
                 )
-                times.setdefault((kind, "etgraph session"), []).append(
-                    statistics.median(
-                        _session_steps(dirs[kind], batches, prof.threads, model.input_names)
+                for label, config in TRAIN_CANDIDATES.items():
+                    times.setdefault((kind, f"etgraph session {label}"), []).append(
+                        statistics.median(
+                            _session_steps(
+                                dirs[kind], batches, prof.threads, model.input_names, config
+                            )
+                        )
                     )
-                )
                 times.setdefault((kind, "ORT defaults"), []).append(
                     statistics.median(_bare_steps(dirs[kind], batches))
                 )
@@ -157,9 +172,21 @@ def main(rounds, steps, rho, json_path):
             ms = statistics.median(values) * 1e3
             print(f"{kind:<10}{label:<28}{ms:>9.2f}{ms / (ref * 1e3):>16.2f}x")
             rows.append({"artifacts": kind, "loop": label, "ms": ms, "ratio": ms / (ref * 1e3)})
+        print(
+            f"{kind:<10}etgraph loop chose {', '.join(chosen[kind])}; probe "
+            f"{', '.join(f'{s:.2f}' for s in probe_s[kind])} s per run"
+        )
     if json_path:
         Path(json_path).write_text(
-            json.dumps({"load_average": [load_start, load_end], "rows": rows}, indent=1)
+            json.dumps(
+                {
+                    "load_average": [load_start, load_end],
+                    "rows": rows,
+                    "chosen": chosen,
+                    "probe_s": probe_s,
+                },
+                indent=1,
+            )
         )
 
 

@@ -509,6 +509,13 @@ def compile_command(
     type=float,
     help="Peak-memory budget in MiB for the selection (elastic) [none: time budget only].",
 )
+@click.option(
+    "--spinning",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "off", "on", "on+stop"]),
+    help="ORT thread-pool spinning of the training sessions (auto: measured at the start).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @_model_input_options
 def train_command(
@@ -536,6 +543,7 @@ def train_command(
     open_loop,
     deadline,
     memory_mb,
+    spinning,
     quiet,
     preset,
     mean,
@@ -598,6 +606,7 @@ def train_command(
         closed_loop=not open_loop,
         deadline_s=parse_duration(deadline) if deadline is not None else None,
         memory_mb=memory_mb,
+        spinning=spinning,
     )
     # The data before the model is profiled: a data error must not wait for profiling.
     shapes = profile.input_shapes if profile is not None else input_shape or None

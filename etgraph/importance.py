@@ -75,7 +75,7 @@ from .data import Preprocess, load_task_data
 from .errors import ConfigError
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
-from .sessions import GradientSession
+from .sessions import GradientSession, OrtConfig
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +269,8 @@ class ImportanceEvaluator:
             tensor indices (:func:`gradient_chunks`) evaluated one session at a time, from a
             checkpoint file (:meth:`evaluate_checkpoint`; module docstring); ``model`` may then
             hold placeholders for its weights (:func:`etgraph.artifacts.placeholder_weights`).
+        config: its session's options (the run's training options, so the reference steps
+            timed on it are measured alike); default the "probe" role's.
 
     Raises:
         ModelError: onnxruntime-training cannot build the all-trainable training graph.
@@ -286,8 +288,10 @@ class ImportanceEvaluator:
         loss: str = "ce",
         input_names: Sequence[str] = (),
         chunks: Sequence[Sequence[int]] | None = None,
+        config: OrtConfig | None = None,
     ):
         self.threads = threads
+        self.config = config
         self.input_names = list(input_names)
         self.tensor_names = list(tensor_names)
         self.frozen_names = list(frozen_names)
@@ -317,9 +321,23 @@ class ImportanceEvaluator:
             raise ConfigError("a chunked importance evaluator has no all-trainable session")
         if self._session is None:
             self._session = GradientSession(
-                self.paths.directory, self.threads, input_names=self.input_names
+                self.paths.directory, self.threads, input_names=self.input_names, config=self.config
             )
         return self._session
+
+    def adopt(self, session: GradientSession) -> None:
+        """Use ``session`` (already open on this evaluator's artifacts, e.g. the winner of
+        :func:`etgraph.sessions.choose_train_config`) instead of opening one.
+
+        Raises:
+            ValueError: ``session`` is open on other artifacts.
+        """
+        if Path(session.directory) != Path(self.paths.directory):
+            raise ValueError(
+                f"session on {session.directory}, the evaluator's artifacts are "
+                f"{self.paths.directory}"
+            )
+        self._session = session
 
     def close(self) -> None:
         """Release the ORT session (the next evaluation opens it again)."""

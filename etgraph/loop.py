@@ -16,9 +16,16 @@ What ``etgraph train`` runs on the device. Every ``period`` epochs (paper: 3):
 5. **train** ``period`` epochs with cosine learning-rate decay set every step
    (:class:`etgraph.sessions.TrainingSession`).
 
+**Session options.** Before the first period the run measures which ORT options its sessions
+train fastest with (:meth:`_Run.choose_ort_config`: thread-pool spinning off / on / on with
+``force_spinning_stop``, full steps side by side at learning rate 0 on the full artifacts;
+``spinning``), and chooses again when the full step measured alike moves by
+:data:`REPROBE_FACTOR` (:meth:`_Run.recheck_ort_config`).
+
 **Measured alike, closed loop.** A few full training steps (all tensors, a separate persistent
-session on the full artifacts, the same batches and clock) are interleaved with every epoch's
-steps — about ``reference_budget`` (1%) of the epoch's time, at least one — so that the achieved
+session on the full artifacts, the same batches and clock) are interleaved with the period's
+steps — about ``reference_budget`` (1%) of the period's time, at least one
+(:func:`period_reference_positions`) — so that the achieved
 rho is an elastic step over a full step measured in the same conditions (``rho_measured`` per
 epoch, ``rho_achieved`` in the summary). With ``closed_loop`` (default) every period fits the
 time model to those measurements (:func:`etgraph.timing.fit_step_times`: the median of the
@@ -155,7 +162,14 @@ from .selection import (
     MemoryCosts,
     strategy_mask,
 )
-from .sessions import GradientSession, TrainingSession, evaluate_onnx
+from .sessions import (
+    TRAIN_CANDIDATES,
+    ConfigChoice,
+    GradientSession,
+    TrainingSession,
+    choose_train_config,
+    evaluate_onnx,
+)
 from .timing import StepTimeFit, fit_step_times, min_feasible_rho
 
 log = logging.getLogger(__name__)
@@ -205,6 +219,12 @@ class TrainConfig:
         memory_mb: peak-memory budget, MiB (issue #17; ``elastic`` only): the DP selects under
             it with the run's memory model (:class:`etgraph.memory.MemoryProfile`), and the log
             records the predicted peak beside the measured one. None = time budget only.
+        spinning: the ORT session options the run trains with: ``"auto"`` measures the
+            candidates of :data:`etgraph.sessions.TRAIN_CANDIDATES` at the start
+            (:func:`etgraph.sessions.choose_train_config`, on the full artifacts at learning
+            rate 0) and keeps the fastest; or a candidate's label (``"off"``, ``"on"``,
+            ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
+            probe would hold two all-trainable sessions at once).
     """
 
     epochs: int = 12
@@ -229,6 +249,7 @@ class TrainConfig:
     reference_budget: float = 0.01
     deadline_s: float | None = None
     memory_mb: float | None = None
+    spinning: str = "auto"
 
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
@@ -268,6 +289,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--memory-mb must be positive and used with the elastic strategy, got "
                 f"{self.memory_mb} with {self.strategy!r}"
+            )
+        if self.spinning != "auto" and self.spinning not in TRAIN_CANDIDATES:
+            raise ConfigError(
+                f"unknown spinning setting {self.spinning!r}: choose auto or one of "
+                f"{', '.join(TRAIN_CANDIDATES)}"
             )
         for name in ("max_steps_per_epoch", "max_val_batches", "resolution", "threads"):
             value = getattr(self, name)
@@ -319,11 +345,38 @@ def cosine_learning_rate(base_lr: float, step: int, total_steps: int) -> float:
 # ---- the run --------------------------------------------------------------------------------
 
 
-#: The measurements the closed loop fits: ``"_cpu"`` = process CPU time (every thread of the
-#: process; spinning is off, so it is work, not waiting), ``""`` = wall time. On a machine
-#: shared with other work the wall time of one reference step swings 2x with the neighbours'
-#: load, its CPU time by a few % (README, "Closed loop"); on a quiet device they agree.
-FIT_CLOCK = "_cpu"
+def fit_clock(spinning: bool) -> str:
+    """The measurements the closed loop fits, by the run's sessions' spinning: ``"_cpu"`` =
+    process CPU time (every thread of the process) when their pool threads do not spin (CPU
+    time is then work, not waiting), ``""`` = wall time when they spin (a spinning thread's CPU
+    time is waiting). On a machine shared with other work the wall time of one reference step
+    swings 2x with the neighbours' load, its CPU time by a few % (README, "Closed loop"); on a
+    quiet device, where spinning wins (:func:`etgraph.sessions.choose_train_config`), they
+    agree."""
+    return "" if spinning else "_cpu"
+
+
+#: Share of a run's step time the start-of-run probe of session options may take
+#: (:meth:`_Run.choose_ort_config`; at least 3 rounds).
+PROBE_BUDGET = 0.02
+
+#: What a probe costs, in full steps of the run's model: three sessions opened, their first
+#: steps and 3 rounds (0.48 s against a 6.1 ms full step on the default model, load 2.2). A
+#: run whose :data:`PROBE_BUDGET` is less is not probed.
+PROBE_COST_FULL_STEPS = 80
+
+#: Rounds of the probe (timed full steps per candidate) at most.
+PROBE_ROUNDS = 4
+
+#: No probe when the 1-minute load average is at least this many times the cores the process
+#: may use: spinning then loses to spinning off (1.6-3.3x slower at every load >= 1.4 measured
+#: on 2 cores, README "ORT session options") and the probe would only cost time.
+PROBE_MAX_LOAD_PER_CORE = 1.0
+
+#: The options are chosen again at a period start when the last period's full step measured
+#: alike moved by this factor from the one measured when they were chosen (the machine's
+#: speed changed: other work started or stopped).
+REPROBE_FACTOR = 1.5
 
 #: Seconds the end of a run takes besides scoring the exported model (export, plots, summary,
 #: the interpreter's exit with ORT and torch loaded: 2-3 s measured on 2 loaded cores): what
@@ -356,6 +409,30 @@ def reference_positions(steps: int, count: int) -> frozenset[int]:
         return frozenset([0])
     count = min(count, steps - 1)
     return frozenset(1 + int((j + 0.5) * (steps - 1) / count) for j in range(count))
+
+
+def period_reference_positions(
+    steps_per_epoch: int, epochs: int, budget: float, rho: float
+) -> list[frozenset[int]]:
+    """Per epoch of a period, the steps (0-based) after which a full reference step runs.
+
+    Counted over the period, not per epoch: ``budget`` of the period's elastic step time (a
+    reference step costs ``1 + REFERENCE_WARMUP`` full steps, a full step about ``1 / rho``
+    elastic ones), at least one per period, spread evenly over the period's steps
+    (:func:`reference_positions`), so an epoch may have none. On the default model's 179-step
+    epochs at period 3 and rho 0.5 that is one per period, about 0.75% of its time (one per
+    epoch was 2.1-2.5%).
+
+    Args:
+        steps_per_epoch: >= 1. epochs: epochs in the period, >= 1. budget: fraction in (0, 1].
+        rho: the period's requested rho, in (0, 1].
+    """
+    steps = steps_per_epoch * epochs
+    count = max(1, int(budget * rho * steps / (1 + REFERENCE_WARMUP)))
+    out: list[set[int]] = [set() for _ in range(epochs)]
+    for i in reference_positions(steps, count):
+        out[i // steps_per_epoch].add(i % steps_per_epoch)
+    return [frozenset(s) for s in out]
 
 
 def reference_ratio(
@@ -495,6 +572,12 @@ class _Run:
         self.fit = StepTimeFit()
         self._predicted_peak_mb: float | None = None  # the run's, under a memory budget
         self._startup_peak_mb: float | None = None
+        # The training sessions' options: measured at the start of run() unless given.
+        label = "off" if config.spinning == "auto" else config.spinning
+        self.ort = ConfigChoice.given(label)
+        self._probe_s = 0.0  # the probe's time, charged to the next epoch trained
+        self._ort_pending = False  # the choice is logged with the next epoch
+        self._ort_base_ms: float | None = None  # the full step (ms) when it was chosen
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.started_at = time.perf_counter()  # the deadline counts from here (or the CLI's)
         p = profile
@@ -528,6 +611,7 @@ class _Run:
                 loss=self.model.task.loss,
                 input_names=self.model.input_names,
                 chunks=chunks,
+                config=self.ort.config,
             )
             if chunks is not None:
                 log.info(
@@ -619,7 +703,10 @@ class _Run:
             else:
                 paths, _, _ = self.artifacts(np.ones(len(self.names), dtype=bool), checkpoint=True)
                 self._reference = GradientSession(
-                    paths.directory, self.threads, input_names=self.model.input_names
+                    paths.directory,
+                    self.threads,
+                    input_names=self.model.input_names,
+                    config=self.ort.config,
                 )
             batch = self.dataset.probe_batch(
                 self.config.batch_size, _probe_seed(self.config.seed, 0)
@@ -636,9 +723,10 @@ class _Run:
         epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last period's epochs
         (measured progress, the machine's load included): ``u`` = mean step / the rho it was
         asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside its steps
-        (re-selection, reference steps, validation). Before any epoch: ``u`` = the profile's
-        full step measured now (:meth:`_full_step_now_s`), ``fixed`` = a validation pass at a
-        third of a full step per batch. Clamped to [the cheapest selection's rho, 1].
+        (re-selection, reference steps, validation; not the one-off choice of session
+        options). Before any epoch: ``u`` = the profile's full step measured now
+        (:meth:`_full_step_now_s`), ``fixed`` = a validation pass at a third of a full step
+        per batch. Clamped to [the cheapest selection's rho, 1].
         """
         cfg = self.config
         epochs_left = cfg.epochs - epoch
@@ -649,7 +737,10 @@ class _Run:
             fixed = float(
                 np.mean(
                     [
-                        r["wall_time_s"] + r["val_s"] - r["steps"] * r["measured_step_us"] * 1e-6
+                        r["wall_time_s"]
+                        - r.get("ort_probe_s", 0.0)  # one-off, not per epoch
+                        + r["val_s"]
+                        - r["steps"] * r["measured_step_us"] * 1e-6
                         for r in last
                     ]
                 )
@@ -705,16 +796,113 @@ class _Run:
                 "or more, or fewer --epochs"
             )
 
+    def choose_ort_config(self) -> bool:
+        """Measure which options the run's sessions train fastest with (``spinning="auto"``):
+        :func:`etgraph.sessions.choose_train_config` on the full artifacts (the reference
+        steps' and importance's, so nothing more is generated), on a probe batch at learning
+        rate 0. Rounds: what :data:`PROBE_BUDGET` of the run's steps allows, 3 to
+        :data:`PROBE_ROUNDS`. The winner's session becomes the full reference session (and
+        importance's), so only the losers' cost is extra; the probe's time is charged to the
+        next epoch's wall time (``ort_probe_s``). Not probed (spinning off) under ``memory_mb``
+        (two all-trainable sessions at once), at a load average of
+        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more, or in a run too short to pay for it
+        (:data:`PROBE_COST_FULL_STEPS` above :data:`PROBE_BUDGET` of its steps). Returns
+        whether the options changed (the training session must then be opened again)."""
+        cfg = self.config
+        if cfg.spinning != "auto":
+            return False
+        before = self.ort.label
+        note = ""
+        cores = len(os.sched_getaffinity(0))
+        load = os.getloadavg()[0]
+        if self.ort.config.spinning:  # the run's own spinning pool threads count as load
+            load -= (self.threads or cores) - 1
+        if cfg.memory_mb is not None:
+            note = "not probed under --memory-mb"
+        elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
+            note = f"not probed: load average {load:.1f} (other work) >= {cores} cores"
+        elif PROBE_BUDGET * self.total_steps * self.rho < PROBE_COST_FULL_STEPS:
+            note = (
+                f"not probed: {self.total_steps} steps at rho {self.rho:.2f} are too few to pay "
+                f"for it (about {PROBE_COST_FULL_STEPS} full steps)"
+            )
+        if note:
+            self.ort = ConfigChoice.given("off", note)
+            self._ort_base_ms = None  # the speed to watch: the first period's full step
+            self._ort_pending = True
+            log.info("session options: spinning off (%s)", note)
+            if before != "off":  # sessions open with other options: open them again
+                self._reference = None
+                if self._evaluator is not None:
+                    self._evaluator.config = self.ort.config
+                    self._evaluator.close()
+            return before != "off"
+        t0 = time.perf_counter()
+        # importance's all-trainable artifacts too (same cache key)
+        directory = self.artifacts(np.ones(len(self.names), dtype=bool))[0].directory
+        batch = self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, 0))
+        per_round = 2 * len(TRAIN_CANDIDATES)  # full steps a round costs
+        affordable = PROBE_BUDGET * self.total_steps * self.rho / per_round
+        rounds = int(min(PROBE_ROUNDS, max(3, affordable)))
+        choice, winner = choose_train_config(
+            directory, batch, self.threads, input_names=self.model.input_names, rounds=rounds
+        )
+        self.ort = choice
+        self._ort_base_ms = choice.step_ms[choice.label]
+        self._reference = None  # the winner replaces any session open with other options
+        if cfg.strategy in IMPORTANCE_STRATEGIES:  # one all-trainable session serves both
+            self.evaluator().config = choice.config
+            self.evaluator().adopt(winner)
+            self._reference = winner
+        elif cfg.strategy != "full":
+            self._reference = winner
+        self._probe_s += time.perf_counter() - t0
+        self._ort_pending = True
+        log.info(
+            "session options: spinning %s (full step %s; probe %.2f s)",
+            choice.label,
+            ", ".join(f"{k} {v:.2f} ms" for k, v in choice.step_ms.items()),
+            self._probe_s,
+        )
+        return choice.label != before
+
+    def recheck_ort_config(self, records: list[dict]) -> bool:
+        """At a period start: choose the options again (:meth:`choose_ort_config`) when the
+        last period's full step measured alike (``reference_step_us``, wall) moved by
+        :data:`REPROBE_FACTOR` or more from the one measured when they were chosen. Returns
+        whether they changed."""
+        cfg = self.config
+        last = [
+            r["reference_step_us"]
+            for r in records[-cfg.period :]
+            if np.isfinite(r.get("reference_step_us", np.nan))
+        ]
+        if cfg.spinning != "auto" or cfg.memory_mb is not None or not last:
+            return False
+        now_ms = float(np.median(last)) / 1e3
+        if self._ort_base_ms is None:
+            self._ort_base_ms = now_ms
+            return False
+        factor = now_ms / self._ort_base_ms
+        if 1 / REPROBE_FACTOR < factor < REPROBE_FACTOR:
+            return False
+        log.info("full step %.2f ms, %.2fx the last choice's: choosing again", now_ms, factor)
+        changed = self.choose_ort_config()
+        if self._ort_base_ms is None or not self.ort.step_ms:
+            self._ort_base_ms = now_ms
+        return changed
+
     def fit_time_model(self, records: list[dict]) -> StepTimeFit:
         """The time-model correction from the epochs measured so far (identity in the open loop
         or before any reference step)."""
         rows = [r for r in records if r.get("reference_steps")]
         if not self.config.closed_loop or not rows:
             return StepTimeFit()
+        clock = fit_clock(self.ort.config.spinning)
         return fit_step_times(
             [r["predicted_step_us"] for r in rows],
-            [r[f"median_step{FIT_CLOCK}_us"] for r in rows],
-            [r[f"reference_step{FIT_CLOCK}_us"] for r in rows],
+            [r[f"median_step{clock}_us"] for r in rows],
+            [r[f"reference_step{clock}_us"] for r in rows],
             self.profile.t_full_us,
         )
 
@@ -743,6 +931,7 @@ class _Run:
         (self.out / SESSION_DIR).mkdir(parents=True, exist_ok=True)
         records = list(history)
         period_start = start_epoch
+        self.choose_ort_config()
         while period_start < cfg.epochs:
             period = period_start // cfg.period
             period_end = min((period + 1) * cfg.period, cfg.epochs)
@@ -751,6 +940,8 @@ class _Run:
                     session, carried = None, self.out / CHECKPOINT_FILE
                 else:
                     carried, _, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
+                    if self.recheck_ort_config(records):
+                        session = None  # opened again with the new options
             if cfg.deadline_s is not None:
                 self.rho = self.deadline_rho(period_start, records)
             session, mask, timings = self._reselect(period, session, mask_prev, carried, records)
@@ -914,10 +1105,7 @@ class _Run:
         t_ref = time.perf_counter()
         if cfg.strategy != "full" and not self.bounded:  # a full step would not fit a budget
             reference = self.reference_session()
-            count = int(
-                cfg.reference_budget * self.rho * self.steps_per_epoch / (1 + REFERENCE_WARMUP)
-            )
-            reference_at = reference_positions(self.steps_per_epoch, max(1, count))
+            reference_at = self.reference_steps_at(epoch, period)
         reference_setup_s = time.perf_counter() - t_ref  # the first epoch opens the session
         reference_s = reference_setup_s
         t_epoch = time.perf_counter()
@@ -967,7 +1155,9 @@ class _Run:
             ratio = reference_ratio(step_cpu, reference_cpu, first)
             reference_cpu_us = median_cpu_us / ratio if ratio > 0 else float("nan")
         t = timings or {}
-        epoch_s = train_s + t.get("reselection_s", 0.0) + reference_setup_s
+        probe_s, self._probe_s = self._probe_s, 0.0
+        chose, self._ort_pending = self._ort_pending, False
+        epoch_s = train_s + t.get("reselection_s", 0.0) + reference_setup_s + probe_s
         previous = records[-1]["cumulative_wall_time_s"] if records else 0.0
         record = EpochRecord(
             epoch=epoch + 1,
@@ -1008,6 +1198,10 @@ class _Run:
             reference_step_cpu_us=reference_cpu_us,
             rho_measured_cpu=median_cpu_us / reference_cpu_us,
             val_s=val_s,
+            ort_config=self.ort.label,
+            ort_probe_s=probe_s,
+            ort_probe_step_ms=dict(self.ort.step_ms) if chose and self.ort.step_ms else None,
+            ort_note=self.ort.note if chose else "",
             predicted_peak_mb=(
                 self._predicted_peak_mb
                 if self._predicted_peak_mb is not None
@@ -1024,6 +1218,17 @@ class _Run:
                 f"{epoch_s:.1f}s  {int(mask.sum())}/{mask.size} tensors"
             )
         return record
+
+    def reference_steps_at(self, epoch: int, period: int) -> frozenset[int]:
+        """Steps of ``epoch`` (0-based) after which a full reference step runs
+        (:func:`period_reference_positions` of its period)."""
+        cfg = self.config
+        first = period * cfg.period
+        epochs = min(first + cfg.period, cfg.epochs) - first
+        positions = period_reference_positions(
+            self.steps_per_epoch, epochs, cfg.reference_budget, self.rho
+        )
+        return positions[epoch - first]
 
     def _diverged(self, epoch: int, period: int, step: int, loss: float, lr: float) -> None:
         """Stop the run at the first non-finite loss (epoch 0-based, step 1-based): one line that
@@ -1137,6 +1342,7 @@ class _Run:
             self.threads,
             loss=self.model.task.loss,
             input_names=self.model.input_names,
+            config=self.ort.config,
         )
 
 

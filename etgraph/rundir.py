@@ -142,6 +142,10 @@ class EpochRecord:
     rho_measured_cpu: float  # as rho_measured, process CPU time
     val_s: float  # validation after the epoch (not in wall_time_s)
     predicted_peak_mb: float | None = None  # the memory model's peak of the selection (MiB)
+    ort_config: str = "off"  # the sessions' options (etgraph.sessions.TRAIN_CANDIDATES label)
+    ort_probe_s: float = 0.0  # choosing them at the run's start (in wall_time_s)
+    ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step (probe)
+    ort_note: str = ""  # why the options were not probed (with the epoch that chose them)
 
 
 @dataclass
@@ -170,6 +174,10 @@ class TrainResult:
     peak_rss_mb_first_period: float
     peak_rss_mb_last_period: float
     trained_model: str
+    ort_config: str = "off"  # the sessions' options the run trained with (last epoch's)
+    ort_probe_s: float = 0.0  # choosing them by measurement (in wall_time_s)
+    ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step, probed
+    ort_note: str = ""  # why they were not probed
 
 
 # ---- run.json and the directory ---------------------------------------------------------------
@@ -444,6 +452,12 @@ def summarize(
         peak_rss_mb_first_period=float(rss[min(rss)]) if rss else float("nan"),
         peak_rss_mb_last_period=float(rss[max(rss)]) if rss else float("nan"),
         trained_model=str(trained_model),
+        ort_config=str(last.get("ort_config", "off")),
+        ort_probe_s=float(sum(r.get("ort_probe_s", 0.0) for r in records)),
+        ort_probe_step_ms=next(
+            (r["ort_probe_step_ms"] for r in records if r.get("ort_probe_step_ms")), None
+        ),
+        ort_note=next((r["ort_note"] for r in records if r.get("ort_note")), ""),
     )
 
 
@@ -481,6 +495,16 @@ def format_summary(result: TrainResult) -> str:
         f"rho                 requested {result.rho_requested:.2f}  predicted "
         f"{result.rho_predicted:.2f}  achieved {result.rho_achieved:.2f} (wall), "
         f"{result.rho_achieved_cpu:.2f} (CPU time)",
+        f"sessions            spinning {result.ort_config}"
+        + (
+            f"  (probed in {result.ort_probe_s:.2f} s, full step "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in result.ort_probe_step_ms.items())
+            + ")"
+            if result.ort_probe_step_ms
+            else f"  ({result.ort_note})"
+            if result.ort_note
+            else ""
+        ),
         f"selection           first {result.first_selection_s:.2f} s, re-selections "
         f"{result.reselection_overhead_pct:.2f} % of their periods' wall time",
         f"peak RSS            first period {result.peak_rss_mb_first_period:.0f} MiB, last "

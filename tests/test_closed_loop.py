@@ -61,8 +61,9 @@ def test_fit_without_information_is_the_identity_offset():
 def test_corrected_model_meets_rho_where_the_open_loop_misses(rho):
     """Steps that cost a fixed 20% of the full step more than the model says: the open-loop
     DP's measured ratio misses rho; after a fit from two measured epochs, the DP's selection
-    lands at rho (within the time model's granularity) and never above it; after one epoch the
-    correction goes half way (the open loop's offset 0 votes in the median)."""
+    lands at rho (within the time model's granularity) and never above it; after one epoch a
+    correction of more than PRIOR_DROP_ERROR goes all the way, a smaller one half way (the
+    open loop's offset 0 votes in the median)."""
     t_dw, t_dy, forward = _synthetic(n=60)
     t_full = forward + t_dw.sum() + t_dy.sum()
     offset = 0.2 * t_full
@@ -76,8 +77,20 @@ def test_corrected_model_meets_rho_where_the_open_loop_misses(rho):
     open_mask = select_for_rho(model, rho, importance).mask
     open_ratio = measured(open_mask) / full
     p_open = timing.step_us(open_mask, t_dw, t_dy, forward)
-    half = timing.fit_step_times([p_open], [measured(open_mask)], [full], t_full)
-    assert half.offset_us == pytest.approx(offset / 2)
+    first = timing.fit_step_times([p_open], [measured(open_mask)], [full], t_full)
+    if open_ratio / (p_open / t_full) - 1 > timing.PRIOR_DROP_ERROR:  # rho 0.3, 0.5
+        assert first.offset_us == pytest.approx(offset)  # one epoch, far off: all the way
+    else:  # rho 0.7: the same offset moves the ratio by 7%
+        assert first.offset_us == pytest.approx(offset / 2)
+    small = 0.02 * t_full  # one epoch, a few % off: half way
+
+    def measured_small(mask):
+        return 1.7 * (timing.step_us(mask, t_dw, t_dy, forward) + small)
+
+    full_small = measured_small(np.ones(t_dw.size, bool))
+    half = timing.fit_step_times([p_open], [measured_small(open_mask)], [full_small], t_full)
+    assert abs(measured_small(open_mask) / full_small / (p_open / t_full) - 1) < 0.10
+    assert half.offset_us == pytest.approx(small / 2)
     last_mask = np.zeros(t_dw.size, bool)
     last_mask[-3:] = True  # a second epoch with another selection
     p_last = timing.step_us(last_mask, t_dw, t_dy, forward)

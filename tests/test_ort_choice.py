@@ -1,0 +1,148 @@
+"""Per-run choice of the training sessions' ORT options (issue #16): candidates measured side
+by side at the start of a run, and reference steps counted over the period."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from etgraph.errors import ConfigError
+from etgraph.loop import TrainConfig, fit_clock
+from etgraph.sessions import ROLES, TRAIN_CANDIDATES, ConfigChoice, pick_fastest
+
+
+class _FakeClock:
+    """A clock the steppers advance: each call of a stepper adds its next duration."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def stepper(self, seconds, calls):
+        durations = list(seconds) if isinstance(seconds, list) else None
+
+        def step():
+            dt = durations.pop(0) if durations is not None else seconds
+            self.now += dt
+            calls.append(dt)
+
+        return step
+
+
+def test_pick_fastest_takes_the_fastest_beyond_the_margin_and_drops_slow_ones():
+    clock = _FakeClock()
+    calls = []
+    steppers = {
+        "off": clock.stepper(10.0, calls),
+        "on": clock.stepper(7.0, calls),
+        "slow": clock.stepper(30.0, calls),
+    }
+    best, medians = pick_fastest(steppers, 3, clock=clock)
+    assert best == "on"
+    assert medians == {"off": 10.0, "on": 7.0, "slow": 30.0}
+    # "slow" ran one round (2 steps); the default and "on" all three rounds
+    assert calls.count(30.0) == 2 and calls.count(10.0) == 6 and calls.count(7.0) == 6
+
+
+def test_pick_fastest_keeps_the_default_unless_faster_beyond_the_margin_in_every_round():
+    clock = _FakeClock()
+    calls = []
+    steppers = {"off": clock.stepper(10.0, calls), "on": clock.stepper(9.8, calls)}
+    best, _ = pick_fastest(steppers, 2, margin=0.03, clock=clock)
+    assert best == "off"  # 2% faster is within the default's 3% advantage
+    best, _ = pick_fastest(steppers, 2, margin=0.01, clock=clock)
+    assert best == "on"
+    # faster by the median, but slower in one round (a burst hit the default twice): not chosen
+    # (each round runs a stepper twice and times the second run)
+    lucky = {
+        "off": clock.stepper([1, 10.0, 1, 30.0, 1, 30.0], calls),
+        "on": clock.stepper([1, 12.0, 1, 8.0, 1, 8.0], calls),
+    }
+    best, medians = pick_fastest(lucky, 3, clock=clock)
+    assert medians == {"off": 30.0, "on": 8.0} and best == "off"
+    with pytest.raises(ValueError, match="at least one stepper and one round"):
+        pick_fastest(steppers, 0, clock=clock)
+
+
+def test_config_choice_given_and_json():
+    choice = ConfigChoice.given("on+stop")
+    assert choice.config == TRAIN_CANDIDATES["on+stop"]
+    assert choice.config.spinning and choice.config.stop_spinning
+    assert not TRAIN_CANDIDATES["off"].spinning
+    for config in TRAIN_CANDIDATES.values():  # the train role's options but the spinning
+        assert replace(config, spinning=False, stop_spinning=False) == ROLES["train"]
+    assert json.loads(json.dumps(choice.to_json()))["label"] == "on+stop"
+    with pytest.raises(KeyError, match="fast"):
+        ConfigChoice.given("fast")
+
+
+def test_spinning_setting_is_validated_and_sets_the_fit_clock():
+    assert TrainConfig(spinning="on").validate().spinning == "on"
+    with pytest.raises(ConfigError, match="unknown spinning setting 'always'"):
+        TrainConfig(spinning="always").validate()
+    assert fit_clock(False) == "_cpu" and fit_clock(True) == ""
+
+
+@pytest.mark.slow
+def test_run_probes_session_options_without_changing_what_it_trains(
+    tmp_path, default_profile, default_model, monkeypatch
+):
+    """``spinning="auto"`` measures the candidates at the start (logged, charged to the first
+    epoch) at learning rate 0 on a throwaway copy: the run trains exactly what a run with the
+    options given trains (open loop: same selections, same losses). On a loaded machine it
+    does not probe (spinning off, the reason in the summary)."""
+    from etgraph import loop
+    from etgraph.loop import train
+    from etgraph.rundir import read_log
+
+    prof, _ = default_profile
+    common = dict(epochs=2, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
+    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", 0.0)  # every load is too high
+    cfg = TrainConfig(closed_loop=False, **common)
+    loaded = train(default_model, prof, cfg, tmp_path / "loaded", progress=False)
+    assert loaded.ort_config == "off" and loaded.ort_probe_s == 0
+    assert loaded.ort_note.startswith("not probed: load average")
+    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # probe at any load
+    short = train(default_model, prof, cfg, tmp_path / "short", progress=False)
+    assert short.ort_probe_s == 0 and "too few to pay for it" in short.ort_note
+    monkeypatch.setattr(loop, "PROBE_COST_FULL_STEPS", 0)  # and in a short run
+    monkeypatch.setattr(loop, "REPROBE_FACTOR", 1.0 + 1e-9)  # and again every period
+    runs = {}
+    for spinning in ("auto", "off"):
+        cfg = TrainConfig(closed_loop=False, spinning=spinning, **common)
+        result = train(default_model, prof, cfg, tmp_path / spinning, progress=False)
+        runs[spinning] = (result, read_log(tmp_path / spinning))
+    auto, auto_log = runs["auto"]
+    off, off_log = runs["off"]
+    assert auto.ort_config in TRAIN_CANDIDATES
+    assert set(auto.ort_probe_step_ms) == set(TRAIN_CANDIDATES)
+    assert auto.ort_probe_s > 0 and auto_log[0]["ort_probe_s"] > 0
+    assert auto_log[0]["wall_time_s"] > auto_log[0]["ort_probe_s"]  # in the run's time
+    assert auto_log[1]["ort_probe_s"] > 0 and auto_log[1]["ort_probe_step_ms"]  # re-probed
+    assert auto.ort_probe_s == pytest.approx(sum(r["ort_probe_s"] for r in auto_log))
+    assert off.ort_config == "off" and off.ort_probe_s == 0 and off.ort_probe_step_ms is None
+    for a, b in zip(auto_log, off_log, strict=True):
+        assert a["selection"] == b["selection"]
+        assert a["ort_config"] in TRAIN_CANDIDATES
+        np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-5)
+        np.testing.assert_allclose(a["val_loss"], b["val_loss"], rtol=1e-5)
+
+
+def test_reference_steps_are_counted_over_the_period():
+    from etgraph.loop import period_reference_positions
+
+    # the default model's 179-step epochs, period 3, rho 0.5, 1 %: one per period
+    per_epoch = period_reference_positions(179, 3, 0.01, 0.5)
+    assert len(per_epoch) == 3 and sum(len(p) for p in per_epoch) == 1
+    assert per_epoch[1] and not per_epoch[0] and not per_epoch[2]  # in the middle
+    # a period of one epoch still has one, never after its first step
+    assert period_reference_positions(179, 1, 0.01, 0.5) == [frozenset({90})]
+    # a larger budget spreads more over every epoch
+    many = period_reference_positions(100, 2, 0.2, 1.0)
+    assert [len(p) for p in many] == [10, 10]  # 0.2 * 200 steps / 2 full steps each
+    assert all(0 <= i < 100 for p in many for i in p)
