@@ -167,7 +167,7 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
 
     from etgraph.artifacts import ArtifactCache
     from etgraph.model import LoadedModel
-    from etgraph.sessions import TrainingSession
+    from etgraph.sessions import TRAIN_CANDIDATES, TrainingSession
     from models import zoo
 
     work, batch, threads = Path(opts["work_dir"]), opts["batch_size"], opts["threads"]
@@ -202,6 +202,7 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 paths.checkpoint,
                 threads=threads,
                 input_names=model.input_names,
+                config=TRAIN_CANDIDATES[opts["spinning"]],
                 bake=side == "etgraph",
             )
             for side in (("etgraph", "generated") if opts["generated"] else ("etgraph",))
@@ -235,6 +236,7 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
                 "tensors": f"{int(mask.sum())}/{len(mask)}",
                 "selected_params": n_sel_params,
                 "frozen_bn": opts["frozen_bn"],
+                "spinning": opts["spinning"],
                 "torch_bn_eval": tside.bn_eval,
                 "etgraph_ms": round(et_ms, 2),
                 "torch_ms": round(th_ms, 2),
@@ -313,6 +315,14 @@ def table(rows: list[dict]) -> str:
     help="Mode of batch norms whose gamma and beta are frozen.",
 )
 @click.option(
+    "--spinning",
+    type=click.Choice(["off", "on", "on+stop"]),
+    default="off",
+    show_default=True,
+    help="etgraph's session options (etgraph.sessions.TRAIN_CANDIDATES; a run measures which "
+    "to use: on wins on a quiet machine, off on a loaded one).",
+)
+@click.option(
     "--generated/--no-generated",
     default=True,
     show_default=True,
@@ -327,8 +337,8 @@ def table(rows: list[dict]) -> str:
 @click.option("--out", "out", default=str(ROOT / "benchmarks/results/vs_torch.json"),
               show_default=True)  # fmt: skip
 def main(
-    models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_bn, generated, work_dir,
-    out,
+    models, size, batch_size, threads, rho, rounds, steps, warmup, frozen_bn, spinning, generated,
+    work_dir, out,
 ):  # fmt: skip
     """etgraph's training step vs PyTorch eager on the same trainable tensors."""
     import torch
@@ -338,6 +348,7 @@ def main(
     opts = dict(
         batch_size=batch_size, threads=threads, rho=rho, rounds=rounds, steps=steps,
         warmup=warmup, frozen_bn=frozen_bn, work_dir=work_dir, generated=generated,
+        spinning=spinning,
     )  # fmt: skip
     rows = []
     for name in _models(models):
@@ -346,12 +357,12 @@ def main(
     click.echo(table(rows))
     out = Path(out)
     old = json.loads(out.read_text()) if out.exists() else {"runs": []}
-    done = {(r["model"], r["input"], r["selection"], r["frozen_bn"]) for r in rows}
-    kept = [
-        r
-        for r in old.get("runs", [])
-        if (r["model"], r["input"], r["selection"], r["frozen_bn"]) not in done
-    ]
+
+    def key(r: dict) -> tuple:
+        return r["model"], r["input"], r["selection"], r["frozen_bn"], r.get("spinning", "off")
+
+    done = {key(r) for r in rows}
+    kept = [r for r in old.get("runs", []) if key(r) not in done]
     meta = {
         "command": "python benchmarks/vs_torch.py " + " ".join(sys.argv[1:]),
         "batch_size": batch_size,
