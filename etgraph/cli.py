@@ -135,6 +135,15 @@ _tokenizer_option = click.option(
     type=click.Path(dir_okay=False),
     help="The model's tokenizer.json, for text data (--data FILE.csv|FILE.jsonl).",
 )
+_profile_level_option = click.option(
+    "--profile-level",
+    type=click.Choice(["fast", "thorough"]),  # etgraph.profiler.LEVELS, written out (--help)
+    default="fast",
+    show_default=True,
+    help="How much the profiler measures: fast (the graphs' own runs; the closed loop corrects "
+    "scale and offset online) or thorough (also real training steps of every configuration, "
+    "more repeats).",
+)
 #: passes.onnx.FROZEN_BN_MODES, written out: importing passes.onnx here would slow --help.
 _FROZEN_BN_MODES = ("inference", "train")
 
@@ -264,8 +273,9 @@ def inspect_command(
 @click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size B.")
 @_input_shape_option
 @_loss_option
-@click.option("--repeats", default=10, show_default=True, type=int, help="Measured runs.")
-@click.option("--warmup", default=3, show_default=True, type=int, help="Discarded runs.")
+@_profile_level_option
+@click.option("--repeats", default=None, type=int, help="Measured runs [fast 3, thorough 10].")
+@click.option("--warmup", default=None, type=int, help="Discarded runs [fast 1, thorough 3].")
 @click.option("--threads", default=None, type=int, help="Intra-op threads [physical cores].")
 @click.option("-o", "--output", default="profile.json", show_default=True, help="Profile JSON.")
 @click.option(
@@ -286,6 +296,7 @@ def profile_command(
     batch_size,
     input_shape,
     loss,
+    profile_level,
     repeats,
     warmup,
     threads,
@@ -305,6 +316,7 @@ def profile_command(
         LoadedModel.load(model, loss=loss or "ce"),
         batch_size=batch_size,
         input_shapes=input_shape or None,
+        level=profile_level,
         repeats=repeats,
         warmup=warmup,
         threads=threads,
@@ -315,7 +327,8 @@ def profile_command(
     dw, dy = prof.t_dw_us, prof.t_dy_us
     click.echo(
         f"{len(prof.tensors)} tensors, batch {prof.batch_size}, input "
-        f"{format_shapes(prof.input_shapes)}, {prof.threads} threads, ORT {prof.ort_version}"
+        f"{format_shapes(prof.input_shapes)}, {prof.threads} threads, ORT {prof.ort_version}, "
+        f"level {prof.level}"
     )
     predicted = prof.t_full_us
     click.echo(
@@ -366,7 +379,10 @@ def profile_command(
     "[none: parameter-share prior].",
 )
 @_tokenizer_option
-@click.option("--repeats", default=10, show_default=True, type=int, help="Profiler repetitions.")
+@_profile_level_option
+@click.option(
+    "--repeats", default=None, type=int, help="Profiler repetitions [fast 3, thorough 10]."
+)
 @click.option("--threads", default=None, type=int, help="ORT intra-op threads [physical cores].")
 @click.option(
     "--resolution",
@@ -392,6 +408,7 @@ def compile_command(
     loss,
     data,
     tokenizer,
+    profile_level,
     repeats,
     threads,
     resolution,
@@ -428,6 +445,7 @@ def compile_command(
         tokenizer=tokenizer,
         output=model_output,
         loss=loss or "ce",
+        profile_level=profile_level,
         repeats=repeats,
         threads=threads,
         resolution=resolution,
@@ -480,6 +498,7 @@ def compile_command(
 @click.option("--out", "out", default=None, type=click.Path(), help="Run directory to write.")
 @click.option("--resume", "resume_dir", default=None, type=click.Path(), help="Continue a run.")
 @click.option("--profile", "profile_path", default=None, help="profile.json [measure, cached].")
+@_profile_level_option
 @_input_shape_option
 @_output_option
 @_loss_option
@@ -520,6 +539,7 @@ def train_command(
     out,
     resume_dir,
     profile_path,
+    profile_level,
     input_shape,
     model_output,
     loss,
@@ -572,7 +592,14 @@ def train_command(
 
     check_text_options(data, tokenizer)  # before the model is profiled
     loaded, profile = _train_inputs(
-        model, profile_path, batch_size, input_shape or None, threads, model_output, loss
+        model,
+        profile_path,
+        batch_size,
+        input_shape or None,
+        threads,
+        model_output,
+        loss,
+        profile_level,
     )
     config = TrainConfig(
         epochs=epochs,
@@ -655,10 +682,14 @@ def parse_duration(text: str) -> float:
     return value
 
 
-def _train_inputs(model, profile_path, batch_size, input_shape, threads, output, loss):
+def _train_inputs(
+    model, profile_path, batch_size, input_shape, threads, output, loss, profile_level="fast"
+):
     """(LoadedModel, Profile) for `etgraph train`: compiled dir, ONNX file or the default.
     The model is loaded here, once, and handed to the whole run. A compiled directory's model
-    has one output; its loss is the one it was compiled for (its profile's)."""
+    has one output; its loss is the one it was compiled for (its profile's). A profile is
+    measured (cached) at ``profile_level`` only when neither a compiled one nor ``--profile``
+    is given."""
     from .data import DEFAULT_MODEL_PATH
     from .model import LoadedModel, parse_input_shapes
     from .profile import Profile, default_cache_dir, format_shapes
@@ -701,6 +732,7 @@ def _train_inputs(model, profile_path, batch_size, input_shape, threads, output,
         loaded,
         batch_size=batch_size,
         input_shapes=input_shape,
+        level=profile_level,
         threads=threads,
         cache_dir=default_cache_dir(),
     )
