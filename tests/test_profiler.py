@@ -32,6 +32,7 @@ from etgraph.measure import (
     reproduced,
     robust_time,
     round_robin,
+    run_spans_s,
 )
 from etgraph.model import LoadedModel
 from etgraph.profile import PROFILE_FORMAT_VERSION, Profile, profile_key
@@ -284,6 +285,16 @@ def test_round_robin_adds_rounds_until_reproduced():
     assert reproduced([1.0, 1.02, 5.0], 0.03) and not reproduced([1.0, 1.05], 0.03)
     assert not reproduced([1.0], 0.03)
     assert robust_time([3.0, 1.0, 2.0], 0.0) == 1.0  # the fast level's statistic: the minimum
+
+
+def test_run_spans_split_the_trace_into_runs():
+    def ev(ts, dur):
+        return {"ts": ts, "dur": dur}
+
+    events = [ev(0, 10), ev(15, 5), ev(100, 10), ev(112, 5)]  # two runs of two kernels
+    spans = run_spans_s(events, 2)
+    assert spans == [pytest.approx((20e-6, 15e-6)), pytest.approx((17e-6, 15e-6))]
+    assert run_spans_s(events, 3) == [] and run_spans_s([], 1) == []
 
 
 def test_kernel_events_reads_ort_trace_lines(tmp_path):
