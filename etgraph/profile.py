@@ -80,9 +80,11 @@ class Profile:
         measured_full_step_us: MEASURED step (:func:`etgraph.measure.robust_time`, the 20th
             percentile) with all tensors trainable, µs: at the ``thorough`` level a
             training-API step (Module + AdamW + grad reset); at ``fast`` the training graph's
-            run in a plain session less the trace's per-node cost, plus the AdamW kernel's fit
-            for every tensor. Not ``T_full``: that is :attr:`t_full_us`, the time model's full
-            step.
+            run in a plain session without the trace
+            (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`: per-node minimum kernel
+            times + executor cost per node + the run's time outside its kernels) plus the
+            AdamW kernel's fit for every tensor. Not ``T_full``: that is :attr:`t_full_us`,
+            the time model's full step.
         batch_size, threads (intra-op threads), ort_version, host.
         input_shapes: per-sample shape (dims after the batch) of every model input, by name,
             graph order (:func:`etgraph.model.input_shapes`).
@@ -95,8 +97,9 @@ class Profile:
         optimizer_fixed_us, optimizer_per_tensor_us, optimizer_per_element_us: AdamW fit, µs
             (:class:`etgraph.fold.OptimizerFit`).
         node_overhead_us: executor cost per node outside its kernel, µs.
-        trace_overhead_us: what ORT's per-node trace adds to a profiled run, µs per node
-            (taken off the fast level's step times; 0 at ``thorough``).
+        trace_overhead_us: what ORT's per-node trace adds to a profiled run (the time
+            between kernels less the executor's ``node_overhead_us``), µs per node, of the fast
+            level's full graph (left out of its step times); 0 at ``thorough``.
         step_overhead_us: measured step minus what nodes and optimizer explain, mean over the
             profiled configurations (:func:`etgraph.fold.calibrate`), µs.
         forward_saved_fraction: share of a layer's forward time saved when no gradient passes

@@ -67,10 +67,11 @@ model (which tensors cost what), and that comes from the same per-node measureme
 
 * graphs only: the training graphs are built in memory
   (:func:`etgraph.artifacts.training_graphs`, from a copy of the model without weights; no
-  checkpoint, no eval model, no training-API session), and a step is timed as the profiled
-  graph's own run (less the trace's per-node cost, :func:`etgraph.measure.measure_node_overhead_us`
-  with a trace) plus the optimizer fit for its tensors; the all-trainable graph of the caller's
-  artifact cache is used when it is there (so the caller's tensor graph fits);
+  checkpoint, no eval model, no training-API session; parameters bound once), and a step is
+  the profiled graph's own run without the trace
+  (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`) plus the optimizer fit for its
+  tensors; the all-trainable graph of the caller's artifact cache is used when it is there (so
+  the caller's tensor graph fits);
 * configurations ``full``, ``first_only`` — built with every batch norm in inference mode when
   the model has batch norms, so one graph splits the fused ConvGrad nodes (dX alone) AND
   measures each batch norm's inference mode (a batch norm of tensor 0 stays in training mode
@@ -79,7 +80,8 @@ model (which tensors cost what), and that comes from the same per-node measureme
 * the optimizer on four subsets (:func:`etgraph.fold.optimizer_subsets` ``fast``);
 * 1 warm-up and 3 measured rounds, then more, one at a time, until every graph has two runs
   within :data:`REPRODUCED_TOLERANCE` (up to :data:`FAST_MAX_REPEATS`): on an idle machine 3
-  rounds, on a busy one as many as it takes.
+  rounds, on a busy one as many as it takes; of the rounds the minimum is kept
+  (:data:`FAST_QUANTILE`).
 """
 
 from __future__ import annotations
