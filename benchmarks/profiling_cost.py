@@ -4,7 +4,8 @@ For each model, ``--rounds`` rounds; each round profiles the model once at every
 ``--levels`` (the order alternates round to round, so a load change hits the levels alike),
 each time from scratch (no profile cache; :func:`etgraph.profiler.profile_model`, batch 4,
 the machine's physical cores as threads). Printed per model and level: the median profiling
-wall time (``Profile.profiling_s``, s), the measured rounds the fast level needed (it adds
+wall time (``Profile.profiling_s``, s) and the process's CPU time over it (all threads; what
+a busy machine does not inflate as much), the measured rounds the fast level needed (it adds
 rounds until its runs reproduce), the profile's measured full step and ``T_full``, and the
 median over rounds of the per-round ratio of each level's time to the first level's — the
 figure to trust on a loaded machine. The 1-minute load average before and after is printed.
@@ -26,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -62,10 +64,12 @@ def run_model(name: str, path: Path, levels: list[str], rounds: int) -> list[dic
         order = levels if r % 2 == 0 else levels[::-1]
         for level in order:
             before = _load()
+            cpu = time.process_time()
             prof = profile_model(model, batch_size=4, level=level)
             runs[level].append(
                 {
                     "profiling_s": prof.profiling_s,
+                    "cpu_s": time.process_time() - cpu,
                     "repeats": prof.repeats,
                     "measured_full_step_ms": prof.measured_full_step_us / 1e3,
                     "t_full_ms": prof.t_full_us / 1e3,
@@ -86,6 +90,7 @@ def run_model(name: str, path: Path, levels: list[str], rounds: int) -> list[dic
                 "rounds": rounds,
                 "profiling_s_median": statistics.median(x["profiling_s"] for x in rs),
                 "profiling_s": [x["profiling_s"] for x in rs],
+                "cpu_s_median": statistics.median(x["cpu_s"] for x in rs),
                 "ratio_to_first_median": statistics.median(
                     x["profiling_s"] / b["profiling_s"] for x, b in zip(rs, base, strict=True)
                 ),
@@ -104,7 +109,7 @@ def run_model(name: str, path: Path, levels: list[str], rounds: int) -> list[dic
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'model':<13} {'level':<9} {'profile s':>9} {'ratio':>6} {'repeats':>9} "
+        f"{'model':<13} {'level':<9} {'profile s':>9} {'CPU s':>7} {'ratio':>6} {'repeats':>9} "
         f"{'full ms':>8} {'T_full ms':>9} {'load':>9}"
     )
     click.echo(head)
@@ -113,6 +118,7 @@ def print_table(rows: list[dict]) -> None:
         reps = f"{min(r['repeats'])}-{max(r['repeats'])}"
         click.echo(
             f"{r['model']:<13} {r['level']:<9} {r['profiling_s_median']:>9.2f} "
+            f"{r['cpu_s_median']:>7.2f} "
             f"{r['ratio_to_first_median']:>6.2f} {reps:>9} "
             f"{r['measured_full_step_ms_median']:>8.1f} {r['t_full_ms_median']:>9.1f} "
             f"{r['load_min']:>4.1f}-{r['load_max']:<4.1f}"
