@@ -21,6 +21,12 @@ rescales the prediction by ``measured full step / profiled full step`` of that g
 error would be if the machine ran at the speed it had while profiling). Masks are measured with
 :func:`etgraph.measure.measure_selection_steps_us`.
 
+Profiling levels (``--profile-level``, default ``fast,thorough``): the model is profiled once
+per level, each with that level's own repeats (:data:`etgraph.profiler.LEVELS`; before the
+levels existed this benchmark profiled with its own 5 measured + 2 warm-up rounds), and every
+level's time model is scored against the same measured masks: the random ones and its own DP
+masks. The table has one row per model and level, with the profiling time and the load average.
+
 Usage::
 
     python benchmarks/time_model.py                       # all four models
