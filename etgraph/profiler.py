@@ -458,8 +458,9 @@ def _measure_fast(
     full_artifacts: Path | None,
 ) -> _Measured:
     """Level ``fast`` (module docstring, "Profiling levels"): training graphs built in memory
-    (no checkpoint, no training-API session), profiled graphs only, steps timed as the graphs'
-    own wall time, the optimizer on four subsets. ``full_artifacts``: a directory holding the
+    (no checkpoint, no training-API session), profiled graphs only, a step from its graph's
+    runs without the trace (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`) plus the
+    AdamW fit, the optimizer on four subsets. ``full_artifacts``: a directory holding the
     all-trainable artifacts already (their graphs are used), or None."""
     names = model.names
     n = len(names)
@@ -521,7 +522,7 @@ def _measure_fast(
     observations = optimizer.result(warmup, FAST_QUANTILE)
     opt_fit = fit_optimizer(observations)
     numel = np.array([weights[name].size for name in names], dtype=np.float64)
-    # A step: the graph's run less what the trace costs, plus the AdamW step of its tensors.
+    # A step: the graph's run without the trace, plus the AdamW step of its tensors.
     steps = {
         c: g.untraced_time_us(warmup, node_overhead_us)
         + opt_fit.fixed_us
