@@ -21,6 +21,12 @@ rescales the prediction by ``measured full step / profiled full step`` of that g
 error would be if the machine ran at the speed it had while profiling). Masks are measured with
 :func:`etgraph.measure.measure_selection_steps_us`.
 
+Profiling levels (``--profile-level``, default ``fast,thorough``): the model is profiled once
+per level, each with that level's own repeats (:data:`etgraph.profiler.LEVELS`; before the
+levels existed this benchmark profiled with its own 5 measured + 2 warm-up rounds), and every
+level's time model is scored against the same measured masks: the random ones and its own DP
+masks. The table has one row per model and level, with the profiling time and the load average.
+
 Usage::
 
     python benchmarks/time_model.py                       # all four models
@@ -31,9 +37,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import click
@@ -115,91 +121,121 @@ def run_model(
     seed: int,
     work: Path,
     clock: str = "wall",
-) -> dict:
-    """Export, profile and validate one model; returns its result row (and per-mask data)."""
+    levels: tuple[str, ...] = ("fast",),
+    onnx_dir: Path | None = None,
+) -> list[dict]:
+    """Export, profile (once per profiling level, in the order given) and validate one model;
+    returns one result row (and per-mask data) per level.
+
+    The masks are measured once for all levels: the random masks, and each level's DP masks;
+    each level is scored on the random masks and its own DP masks."""
     from models.export import export_onnx
 
     shape = (3, input_size, input_size)
-    path = export_onnx(name, work / f"{name}.onnx", input_shape=shape, num_classes=10, seed=0)
+    path = onnx_dir / f"{name}_{input_size}.onnx" if onnx_dir is not None else None
+    if path is None or not path.is_file():
+        path = export_onnx(name, work / f"{name}.onnx", input_shape=shape, num_classes=10, seed=0)
     model = LoadedModel.load(path)
     tensors = model.tensors
-    t0 = time.perf_counter()
-    prof = profile_model(
-        model, batch_size=batch_size, repeats=repeats, warmup=warmup, threads=threads, clock=clock
-    )
-    log.info(
-        "%s: %d tensors, profiled in %.0f s, full step %.0f ms",
-        name,
-        len(tensors),
-        time.perf_counter() - t0,
-        prof.measured_full_step_us / 1e3,
-    )
+    profiles = {}
+    loads = {}
+    for level in levels:
+        loads[level] = os.getloadavg()[0]
+        profiles[level] = profile_model(
+            model, batch_size=batch_size, threads=threads, clock=clock, level=level
+        )
+        log.info(
+            "%s: %d tensors, profiled (%s) in %.1f s, full step %.0f ms",
+            name,
+            len(tensors),
+            level,
+            profiles[level].profiling_s,
+            profiles[level].measured_full_step_us / 1e3,
+        )
     rng = np.random.default_rng(seed)
     params = np.array([t.params for t in tensors], dtype=np.float64)
-    labelled = [("random", m) for m in random_masks(len(tensors), num_masks, rng)]
-    labelled += [(f"dp rho={rho:.1f}", m) for rho, m in dp_masks(prof, params / params.sum())]
-    masks = np.array([m for _, m in labelled])
+    labelled = [("random", None, m) for m in random_masks(len(tensors), num_masks, rng)]
+    for level, prof in profiles.items():
+        labelled += [
+            (f"dp rho={rho:.1f}", level, m) for rho, m in dp_masks(prof, params / params.sum())
+        ]
+    masks = np.array([m for _, _, m in labelled])
+    first = profiles[levels[0]]
     measured, full = measure_selection_steps_us(
         model,
         masks,
-        batch_size=prof.batch_size,
-        input_shapes=prof.input_shapes,
-        threads=prof.threads,
+        batch_size=first.batch_size,
+        input_shapes=first.input_shapes,
+        threads=first.threads,
         repeats=repeats,
         warmup=warmup,
         work_dir=work,
-        clock=prof.clock,
+        clock=first.clock,
         group=group,
     )
-    predicted = np.array([prof.predicted_step_us(m) for m in masks])
-    err_abs = 100.0 * (predicted / measured - 1.0)
-    err_speed = 100.0 * (predicted * (full / prof.measured_full_step_us) / measured - 1.0)
-    rows = [
-        {
-            "label": label,
-            "selected": int(m.sum()),
-            "earliest": int(np.argmax(m)),
-            "measured_us": float(a),
-            "predicted_us": float(p),
-            "full_measured_us": float(f),
-            "error_pct": float(e),
-            "error_at_speed_pct": float(s),
-        }
-        for (label, m), a, p, f, e, s in zip(
-            labelled, measured, predicted, full, err_abs, err_speed, strict=True
+    results = []
+    for level, prof in profiles.items():
+        keep = np.array([lv in (None, level) for _, lv, _ in labelled])
+        predicted = np.array([prof.predicted_step_us(m) for m in masks])
+        err_abs = 100.0 * (predicted / measured - 1.0)
+        err_speed = 100.0 * (predicted * (full / prof.measured_full_step_us) / measured - 1.0)
+        rows = [
+            {
+                "label": label,
+                "selected": int(m.sum()),
+                "earliest": int(np.argmax(m)),
+                "measured_us": float(a),
+                "predicted_us": float(p),
+                "full_measured_us": float(f),
+                "error_pct": float(e),
+                "error_at_speed_pct": float(s),
+            }
+            for (label, _, m), a, p, f, e, s, k in zip(
+                labelled, measured, predicted, full, err_abs, err_speed, keep, strict=True
+            )
+            if k
+        ]
+        results.append(
+            {
+                "model": name,
+                "level": level,
+                "tensors": len(tensors),
+                "masks": int(keep.sum()),
+                "mean_abs_error_pct": float(np.mean(np.abs(err_abs[keep]))),
+                "max_abs_error_pct": float(np.max(np.abs(err_abs[keep]))),
+                "mean_abs_error_at_speed_pct": float(np.mean(np.abs(err_speed[keep]))),
+                "max_abs_error_at_speed_pct": float(np.max(np.abs(err_speed[keep]))),
+                "measured_full_step_ms": prof.measured_full_step_us / 1e3,
+                "full_step_measured_alike_ms": float(np.median(full)) / 1e3,
+                "profiling_s": prof.profiling_s,
+                "profiling_epoch_fraction": profiling_overhead(prof, shape),
+                "load_average_before": loads[level],
+                "load_average_after": prof.load_average,
+                "threads": prof.threads,
+                "clock": prof.clock,
+                "checks": prof.checks,
+                "per_mask": rows,
+            }
         )
-    ]
-    return {
-        "model": name,
-        "tensors": len(tensors),
-        "masks": len(masks),
-        "mean_abs_error_pct": float(np.mean(np.abs(err_abs))),
-        "max_abs_error_pct": float(np.max(np.abs(err_abs))),
-        "mean_abs_error_at_speed_pct": float(np.mean(np.abs(err_speed))),
-        "max_abs_error_at_speed_pct": float(np.max(np.abs(err_speed))),
-        "measured_full_step_ms": prof.measured_full_step_us / 1e3,
-        "profiling_s": prof.profiling_s,
-        "profiling_epoch_fraction": profiling_overhead(prof, shape),
-        "threads": prof.threads,
-        "clock": prof.clock,
-        "checks": prof.checks,
-        "per_mask": rows,
-    }
+    return results
 
 
 def print_table(results: list[dict]) -> None:
     head = (
-        f"{'model':<13} {'masks':>5} {'mean|err|%':>10} {'max|err|%':>9} "
-        f"{'mean@speed%':>11} {'max@speed%':>10} {'full ms':>8} {'profile s':>9} {'%epoch':>7}"
+        f"{'model':<13} {'level':<9} {'masks':>5} {'mean|err|%':>10} {'max|err|%':>9} "
+        f"{'mean@speed%':>11} {'max@speed%':>10} {'full ms':>8} {'profile s':>9} {'%epoch':>7} "
+        f"{'load':>5}"
     )
     click.echo(head)
     click.echo("-" * len(head))
     for r in results:
         click.echo(
-            f"{r['model']:<13} {r['masks']:>5} {r['mean_abs_error_pct']:>10.1f} "
+            f"{r['model']:<13} {r.get('level', 'thorough'):<9} {r['masks']:>5} "
+            f"{r['mean_abs_error_pct']:>10.1f} "
             f"{r['max_abs_error_pct']:>9.1f} {r['mean_abs_error_at_speed_pct']:>11.1f} "
             f"{r['max_abs_error_at_speed_pct']:>10.1f} {r['measured_full_step_ms']:>8.0f} "
-            f"{r['profiling_s']:>9.0f} {100 * r['profiling_epoch_fraction']:>7.1f}"
+            f"{r['profiling_s']:>9.1f} {100 * r['profiling_epoch_fraction']:>7.1f} "
+            f"{r.get('load_average_after') or 0:>5.1f}"
         )
 
 
@@ -220,6 +256,20 @@ def print_table(results: list[dict]) -> None:
 )
 @click.option("--group", default=4, show_default=True, help="Masks per round-robin group.")
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--profile-level",
+    "levels",
+    default="fast,thorough",
+    show_default=True,
+    help="Profiling levels to validate, comma-separated, profiled in this order; the masks are "
+    "measured once for all.",
+)
+@click.option(
+    "--onnx-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Use <dir>/<model>_<input-size>.onnx where it exists instead of exporting.",
+)
 @click.option("--json", "json_out", default=None, help="Also write all results here.")
 @click.option("--work-dir", default=None, help="Where models and artifacts go [tmp].")
 def main(
@@ -233,6 +283,8 @@ def main(
     clock,
     group,
     seed,
+    levels,
+    onnx_dir,
     json_out,
     work_dir,
 ):
@@ -241,7 +293,7 @@ def main(
     results = []
     with tempfile.TemporaryDirectory(prefix="etgraph-time-model-", dir=work_dir) as tmp:
         for name in models.split(","):
-            row = run_model(
+            rows = run_model(
                 name.strip(),
                 batch_size=batch_size,
                 input_size=input_size,
@@ -253,9 +305,11 @@ def main(
                 seed=seed,
                 work=Path(tmp),
                 clock=clock,
+                levels=tuple(lv.strip() for lv in levels.split(",")),
+                onnx_dir=Path(onnx_dir) if onnx_dir else None,
             )
-            results.append(row)
-            print_table([row])
+            results += rows
+            print_table(rows)
             if json_out:
                 Path(json_out).write_text(json.dumps(results, indent=1))
     click.echo("")

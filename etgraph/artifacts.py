@@ -359,6 +359,19 @@ def generate(
     return ArtifactPaths(out_dir)
 
 
+def baked(training_model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of an in-memory training graph with its frozen parameters as constants valued
+    from ``weights`` (as :func:`bake_frozen` does to artifacts on disk: what a
+    :class:`etgraph.sessions.TrainingSession` runs). ``weights``: name -> float32 array of every
+    frozen parameter (running statistics included)."""
+    model = ir.from_proto(training_model)
+    frozen = bakeable_params(model, weights)
+    if not frozen:
+        return training_model
+    run_passes(BakeFrozenParamsPass(weights, frozen), model)
+    return ir.to_proto(model)
+
+
 def bake_frozen(
     directory: str | os.PathLike, weights: Mapping[str, np.ndarray], out_dir: str | os.PathLike
 ) -> Path:
@@ -404,6 +417,74 @@ def bake_frozen(
         target.write_bytes((directory / target.name).read_bytes())
     log.debug("baked %d frozen parameters into %s", len(frozen), out_dir)
     return out_dir
+
+
+def training_graphs(
+    model: onnx.ModelProto,
+    requires_grad: Sequence[str],
+    frozen_params: Sequence[str],
+    *,
+    loss: str = "ce",
+    frozen_bn: str = "train",
+    weight_decay: float = 0.01,
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The ``training_model.onnx`` and ``optimizer_model.onnx`` :func:`generate` writes for this
+    selection, built in memory: no files, no eval model, no checkpoint (the profiler's fast
+    level runs them in plain inference sessions and feeds the weights itself).
+
+    Built by the same onnxblock calls as ORT's ``generate_artifacts`` (a training block of the
+    loss with the model's output as an additional output; ``requires_grad``/``frozen_params``;
+    AdamW over the trainable parameters) from a copy of the model without its weights
+    (:func:`placeholder_weights`), and the training graph goes through the same
+    :func:`passes.onnx.training_model_pipeline`. ORT numbers some node names per process (the
+    loss node), so node names may differ from another generation's.
+
+    Args and errors: as :func:`generate`.
+
+    Returns:
+        ``(training graph, optimizer graph)``; parameters are graph inputs in both.
+    """
+    requires_grad = list(requires_grad)
+    frozen_params = list(frozen_params)
+    if not requires_grad:
+        raise ConfigError("no tensor is selected for training: select at least one tensor")
+    if loss not in _LOSSES:
+        raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(_LOSSES)}")
+    model = with_bn_mode(
+        placeholder_weights(model, requires_grad + frozen_params), requires_grad, frozen_bn
+    )
+    loss_block = {"ce": onnxblock.loss.CrossEntropyLoss, "mse": onnxblock.loss.MSELoss}[loss]()
+    extra_output = model.graph.output[0].name
+
+    class _Training(onnxblock.TrainingBlock):
+        def build(self, *outputs):
+            return (loss_block(*outputs), extra_output)
+
+    block = _Training()
+    for name in requires_grad:
+        block.requires_grad(name)
+    for name in frozen_params:
+        block.requires_grad(name, False)
+    native_log: list[str] = []
+    try:
+        with _captured_native_stderr(native_log), onnxblock.base(model):
+            block(*[o.name for o in model.graph.output])
+            training, _ = block.to_model_proto()
+            params = block.parameters()
+        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        with onnxblock.empty_base(opset_version=opset):
+            optim = onnxblock.optim.AdamW(weight_decay=weight_decay)
+            optim(params)
+            optimizer = optim.to_model_proto()
+    except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
+        log.debug("onnxruntime-training log:\n%s", "".join(native_log))
+        raise ModelError(
+            f"onnxruntime-training could not build the training graph: {first_line(exc)}"
+        ) from exc
+    training_ir = ir.from_proto(training)
+    if run_passes(training_model_pipeline(), training_ir).modified:
+        training = ir.to_proto(training_ir)
+    return training, optimizer
 
 
 def selection_key(
@@ -477,6 +558,23 @@ class ArtifactCache:
             **kwargs,
         )
         return paths, False
+
+    def lookup(
+        self,
+        model: onnx.ModelProto,
+        requires_grad: Sequence[str],
+        frozen_params: Sequence[str],
+        *,
+        frozen_bn: str = "train",
+        loss: str = "ce",
+    ) -> ArtifactPaths | None:
+        """The cached artifacts of this selection (as :meth:`get`), or None: never generates.
+        ``frozen_params`` is taken for symmetry with :meth:`get` (not part of the key)."""
+        del frozen_params
+        paths = ArtifactPaths(
+            self.root / selection_key(model, requires_grad, loss=loss, frozen_bn=frozen_bn)
+        )
+        return paths if paths.exists() else None
 
     def remove_temporaries(self) -> None:
         """Delete the temporary directories (``.<key>.<random>``) :func:`generate` leaves when

@@ -135,6 +135,15 @@ _tokenizer_option = click.option(
     type=click.Path(dir_okay=False),
     help="The model's tokenizer.json, for text data (--data FILE.csv|FILE.jsonl).",
 )
+_profile_level_option = click.option(
+    "--profile-level",
+    type=click.Choice(["fast", "thorough"]),  # etgraph.profiler.LEVELS, written out (--help)
+    default="fast",
+    show_default=True,
+    help="How much the profiler measures: fast (the graphs' own runs; the closed loop corrects "
+    "scale and offset online) or thorough (also real training steps of every configuration, "
+    "more repeats).",
+)
 #: passes.onnx.FROZEN_BN_MODES, written out: importing passes.onnx here would slow --help.
 _FROZEN_BN_MODES = ("inference", "train")
 
@@ -269,8 +278,9 @@ def inspect_command(
 @_input_shape_option
 @_output_option
 @_loss_option
-@click.option("--repeats", default=10, show_default=True, type=int, help="Measured runs.")
-@click.option("--warmup", default=3, show_default=True, type=int, help="Discarded runs.")
+@_profile_level_option
+@click.option("--repeats", default=None, type=int, help="Measured runs [fast 3, thorough 10].")
+@click.option("--warmup", default=None, type=int, help="Discarded runs [fast 1, thorough 3].")
 @click.option("--threads", default=None, type=int, help="Intra-op threads [physical cores].")
 @click.option("-o", "--out", default="profile.json", show_default=True, help="Profile JSON.")
 @click.option(
@@ -292,6 +302,7 @@ def profile_command(
     input_shape,
     model_output,
     loss,
+    profile_level,
     repeats,
     warmup,
     threads,
@@ -311,6 +322,7 @@ def profile_command(
         LoadedModel.load(model, output=model_output, loss=loss or "ce"),
         batch_size=batch_size,
         input_shapes=input_shape or None,
+        level=profile_level,
         repeats=repeats,
         warmup=warmup,
         threads=threads,
@@ -321,7 +333,8 @@ def profile_command(
     dw, dy = prof.t_dw_us, prof.t_dy_us
     click.echo(
         f"{len(prof.tensors)} tensors, batch {prof.batch_size}, input "
-        f"{format_shapes(prof.input_shapes)}, {prof.threads} threads, ORT {prof.ort_version}"
+        f"{format_shapes(prof.input_shapes)}, {prof.threads} threads, ORT {prof.ort_version}, "
+        f"level {prof.level}"
     )
     predicted = prof.t_full_us
     click.echo(
@@ -372,7 +385,10 @@ def profile_command(
     "[none: parameter-share prior].",
 )
 @_tokenizer_option
-@click.option("--repeats", default=10, show_default=True, type=int, help="Profiler repetitions.")
+@_profile_level_option
+@click.option(
+    "--repeats", default=None, type=int, help="Profiler repetitions [fast 3, thorough 10]."
+)
 @click.option("--threads", default=None, type=int, help="ORT intra-op threads [physical cores].")
 @click.option(
     "--resolution",
@@ -398,6 +414,7 @@ def compile_command(
     loss,
     data,
     tokenizer,
+    profile_level,
     repeats,
     threads,
     resolution,
@@ -434,6 +451,7 @@ def compile_command(
         tokenizer=tokenizer,
         output=model_output,
         loss=loss or "ce",
+        profile_level=profile_level,
         repeats=repeats,
         threads=threads,
         resolution=resolution,
@@ -486,6 +504,7 @@ def compile_command(
 @click.option("--out", "out", default=None, type=click.Path(), help="Run directory to write.")
 @click.option("--resume", "resume_dir", default=None, type=click.Path(), help="Continue a run.")
 @click.option("--profile", "profile_path", default=None, help="profile.json [measure, cached].")
+@_profile_level_option
 @_input_shape_option
 @_output_option
 @_loss_option
@@ -533,6 +552,7 @@ def train_command(
     out,
     resume_dir,
     profile_path,
+    profile_level,
     input_shape,
     model_output,
     loss,
@@ -620,6 +640,7 @@ def train_command(
             loaded,
             batch_size=batch_size,
             input_shapes=input_shape or None,
+            level=profile_level,
             threads=threads,
             cache_dir=default_cache_dir(),
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -55,8 +56,10 @@ __all__ = [
     "measure_selection_steps_us",
     "measure_train_steps_us",
     "random_batch",
+    "reproduced",
     "robust_time",
     "round_robin",
+    "run_spans_s",
     "step_clock",
 ]
 
@@ -92,10 +95,23 @@ def step_clock(clock: str, threads: int):
     raise ConfigError(f"clock must be one of {CLOCKS}, got {clock!r}")
 
 
-def robust_time(values) -> float:
-    """The :data:`TIME_QUANTILE` quantile (20th percentile) of repeated timings, same unit as
-    the input."""
-    return float(np.quantile(np.asarray(values, dtype=np.float64), TIME_QUANTILE))
+def robust_time(values, quantile: float = TIME_QUANTILE) -> float:
+    """The ``quantile`` (default :data:`TIME_QUANTILE`, the 20th percentile) of repeated
+    timings, same unit as the input (linear interpolation, as ``numpy.quantile``'s default;
+    computed in Python: the profiler takes it of ~1500 short lists per graph, where numpy's
+    overhead dominated).
+
+    Raises:
+        ValueError: no values.
+    """
+    xs = sorted(float(v) for v in np.ravel(values))
+    if not xs:
+        raise ValueError("robust_time of no values")
+    h = (len(xs) - 1) * quantile
+    lo = int(h)
+    if lo + 1 >= len(xs):
+        return xs[lo]
+    return xs[lo] + (h - lo) * (xs[lo + 1] - xs[lo])
 
 
 @dataclass
@@ -160,9 +176,13 @@ def random_batch(
     return Batch(inputs=feeds, labels=labels, label_name=task.label_name)
 
 
-def _training_feeds(session, weights: dict[str, np.ndarray], batch: Batch) -> dict:
+def _training_feeds(
+    session, weights: dict[str, np.ndarray], batch: Batch, zeros: dict | None = None
+) -> dict:
     """Feeds for ``training_model.onnx`` run as a plain inference session: the batch, the
     parameters, zero ``<param>_grad.accumulation.buffer`` s and ``lazy_reset_grad=[True]``.
+    ``zeros``: the buffers by parameter name, shared by several sessions (filled as needed;
+    ``lazy_reset_grad`` makes their values irrelevant).
 
     Raises:
         ModelError: an input is neither data nor a parameter in ``weights``.
@@ -178,7 +198,12 @@ def _training_feeds(session, weights: dict[str, np.ndarray], batch: Batch) -> di
             feeds[name] = np.array([True])
         elif name.endswith("_grad.accumulation.buffer"):
             param = name[: -len("_grad.accumulation.buffer")]
-            feeds[name] = np.zeros_like(weights[param])
+            if zeros is None:
+                feeds[name] = np.zeros_like(weights[param])
+            else:
+                if param not in zeros:
+                    zeros[param] = np.zeros_like(weights[param])
+                feeds[name] = zeros[param]
         elif name in weights:
             feeds[name] = weights[name]
         else:
@@ -186,54 +211,187 @@ def _training_feeds(session, weights: dict[str, np.ndarray], batch: Batch) -> di
     return feeds
 
 
+#: One kernel event of ORT's JSON trace (ORT writes one event per line, keys in this order).
+_KERNEL_EVENT = re.compile(
+    r'"dur" :(\d+),"ts" :(\d+),"ph" : "X","name" :"((?:[^"\\]|\\.)*)_kernel_time"'
+)
+
+
 def _kernel_events(trace_path: str) -> list[dict]:
-    """The ``<node>_kernel_time`` events of an ORT JSON trace, in time order; deletes the file."""
-    with open(trace_path) as fh:
-        events = json.load(fh)
-    Path(trace_path).unlink(missing_ok=True)
-    return [
-        e
-        for e in sorted(events, key=lambda e: e.get("ts", 0))
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
-    ]
+    """The ``<node>_kernel_time`` events (``name``, ``dur`` µs, ``ts``) of an ORT JSON trace, in
+    time order; deletes the file.
+
+    Read line by line with a regular expression (a trace holds three events per node and run,
+    with the kernels' thread statistics and shapes: ``json.load`` of it took ~0.2 s per
+    ResNet-50 run); a line it does not match is parsed as JSON.
+    """
+    path = Path(trace_path)
+    text = path.read_text()
+    path.unlink(missing_ok=True)
+    events = []
+    for line in text.splitlines():
+        if '"cat" : "Node"' not in line or '_kernel_time"' not in line:
+            continue
+        match = _KERNEL_EVENT.search(line)
+        if match is not None:
+            name = match.group(3)
+            if "\\" in name:
+                name = json.loads(f'"{name}"')
+            events.append(
+                {
+                    "name": f"{name}_kernel_time",
+                    "dur": int(match.group(1)),
+                    "ts": int(match.group(2)),
+                }
+            )
+            continue
+        event = json.loads(line.strip().rstrip(","))
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            events.append(event)
+    return sorted(events, key=lambda e: e.get("ts", 0))
+
+
+def run_spans_s(events: Sequence[dict], runs: int) -> list[tuple[float, float]]:
+    """Per run, ``(span, busy)`` in s: the time from its first kernel's start to its last
+    kernel's end, and the part of it kernels took (the rest is the executor's per-node cost and
+    the trace's own).
+
+    Args:
+        events: the kernel events of ``runs`` runs of one graph (:func:`_kernel_events`: ``ts``
+            and ``dur`` in µs, time order); every run runs the same nodes.
+        runs: how many runs the trace holds.
+
+    Returns:
+        ``runs`` pairs, or ``[]`` when the events do not split into ``runs`` equal runs.
+    """
+    if runs <= 0 or not events or len(events) % runs:
+        return []
+    per_run = len(events) // runs
+    spans = []
+    for r in range(runs):
+        run = events[r * per_run : (r + 1) * per_run]
+        span = run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"]
+        spans.append((span * 1e-6, sum(e["dur"] for e in run) * 1e-6))
+    return spans
 
 
 class ProfiledGraph:
-    """A ``training_model.onnx`` in a profiled plain ``InferenceSession`` (one run per round).
+    """A training graph in a profiled plain ``InferenceSession`` (one run per round).
 
     Args:
-        training_model: path of the training graph (:func:`etgraph.artifacts.generate`).
+        training_model: the training graph: a path (``training_model.onnx`` of
+            :func:`etgraph.artifacts.generate`) or a ModelProto
+            (:func:`etgraph.artifacts.training_graphs`).
         weights: every parameter the graph takes as input (trainable and frozen), by name.
         batch: the input batch and labels.
         threads: intra-op threads. work_dir: where ORT writes its JSON trace.
+        name: names the trace file (default: the model file's directory name).
+        clock: times each run (:func:`step_clock`), kept in :attr:`times` (s); the wall time
+            of each run (``time.perf_counter``, the clock of the trace's kernel durations) is
+            kept in :attr:`wall`.
+        zeros: gradient buffers shared with other graphs (:func:`_training_feeds`); ORT's
+            accumulator may write the gradients into them.
     """
 
-    def __init__(self, training_model, weights, batch: Batch, *, threads, work_dir):
-        self.path = Path(training_model)
-        prefix = str(Path(work_dir) / f"ort_trace_{self.path.parent.name}")
-        self.session = inference_session(
-            self.path, session_options(threads, prefix, role="profile")
-        )
-        self.feeds = _training_feeds(self.session, weights, batch)
+    def __init__(
+        self,
+        training_model,
+        weights,
+        batch: Batch,
+        *,
+        threads,
+        work_dir,
+        name=None,
+        clock="wall",
+        zeros=None,
+    ):
+        self.clock = step_clock(clock, threads)
+        if isinstance(training_model, onnx.ModelProto):
+            proto, source = training_model, training_model.SerializeToString()
+            name = name or "graph"
+        else:
+            source = Path(training_model)
+            proto = onnx.load(str(source), load_external_data=False)
+            name = name or source.parent.name
+        self.nodes = [(n.name, n.op_type, list(n.output)) for n in proto.graph.node]
+        prefix = str(Path(work_dir) / f"ort_trace_{name}")
+        self.session = inference_session(source, session_options(threads, prefix, role="profile"))
+        self.feeds = _training_feeds(self.session, weights, batch, zeros)
+        # Bound once, as the training API's Module binds its parameters and gradient buffers:
+        # a run then costs no Python-side conversion of hundreds of inputs and outputs (which
+        # would land in every step's fixed cost). The outputs (loss, logits, one bool
+        # "accumulated" flag per gradient buffer) stay ORT values.
+        self.binding = self.session.io_binding()
+        values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.feeds.items()}
+        for name, value in values.items():
+            self.binding.bind_ortvalue_input(name, value)
+        for out in self.session.get_outputs():
+            self.binding.bind_output(out.name, "cpu")
+        self._values = values  # kept alive with the binding
+        self.wall: list[float] = []
+        self.times: list[float] = []
 
     def step(self) -> None:
-        self.session.run(None, self.feeds)
+        t0, w0 = self.clock(), time.perf_counter()
+        self.session.run_with_iobinding(self.binding)
+        self.wall.append(time.perf_counter() - w0)
+        self.times.append(self.clock() - t0)
 
-    def result(self, warmup: int) -> dict[str, NodeTiming]:
-        """``{node name: NodeTiming}`` of every node that ran: :func:`robust_time` of its
-        kernel durations (µs) after dropping its first ``warmup`` runs. Ends profiling."""
+    def time_us(self, warmup: int, quantile: float = TIME_QUANTILE) -> float:
+        """:func:`robust_time` (at ``quantile``) of the runs' times (by ``clock``) after the
+        first ``warmup``, µs."""
+        times = self.times[warmup:] if len(self.times) > warmup else self.times
+        return robust_time(times, quantile) * 1e6
+
+    def result(self, warmup: int, quantile: float = TIME_QUANTILE) -> dict[str, NodeTiming]:
+        """``{node name: NodeTiming}`` of every node that ran: :func:`robust_time` (at
+        ``quantile``) of its kernel durations (µs) after dropping its first ``warmup`` runs.
+        Ends profiling."""
         durations: dict[str, list[float]] = defaultdict(list)
-        for ev in _kernel_events(self.session.end_profiling()):
+        events = _kernel_events(self.session.end_profiling())
+        for ev in events:
             durations[ev["name"][: -len("_kernel_time")]].append(float(ev["dur"]))
         times = {
-            node: robust_time(d[warmup:] if len(d) > warmup else d) for node, d in durations.items()
+            node: robust_time(d[warmup:] if len(d) > warmup else d, quantile)
+            for node, d in durations.items()
         }
-        graph = onnx.load(str(self.path), load_external_data=False).graph
+        self.spans = run_spans_s(events, len(self.times))
+        self.nodes_ran = len(durations)
+        self.kernel_us = sum(times.values())
         return {
-            node.name: NodeTiming(node.op_type, list(node.output), times[node.name])
-            for node in graph.node
-            if node.name in times
+            name: NodeTiming(op, outputs, times[name])
+            for name, op, outputs in self.nodes
+            if name in times
         }
+
+    def untraced_time_us(self, warmup: int, node_overhead_us: float) -> float:
+        """The run's time without the trace and the machine's other work, µs: the sum of the
+        nodes' kernel times of :meth:`result` (which must have run: the same statistic) + the
+        executor's ``node_overhead_us`` per node + the smallest time of a run (after
+        ``warmup``) outside its kernels' span (binding inputs and outputs, starting and ending
+        the run; the runs' clock less the trace's wall span, at least 0).
+
+        The time between kernels is left out: it is the trace's own cost (6-13 µs per node on
+        training graphs, measured against untraced runs; a trivial node's 3-5 µs undercounts
+        it) plus the executor's, counted per node instead; and a sum of per-node statistics is
+        what the time model adds up, so a busy machine's stalls, which a whole run's time keeps,
+        do not land in the fixed per-step cost.
+
+        Raises:
+            ValueError: :meth:`result` found no per-run kernel events.
+        """
+        if not self.spans:
+            raise ValueError("no per-run kernel events: call result() first")
+        outside = [max(0.0, t - span) for t, (span, _) in zip(self.times, self.spans, strict=True)][
+            warmup:
+        ] or [0.0]
+        return self.kernel_us + self.nodes_ran * node_overhead_us + min(outside) * 1e6
+
+    def trace_us_per_node(self, warmup: int) -> float:
+        """The smallest time between kernels of a run after ``warmup``, per node that ran, µs
+        (the trace's cost and the executor's; :meth:`result` must have run)."""
+        gaps = [span - busy for span, busy in self.spans][warmup:] or [0.0]
+        return min(gaps) * 1e6 / max(1, self.nodes_ran)
 
 
 class TrainStep:
@@ -267,26 +425,45 @@ class OptimizerSubsets:
     The optimizer model takes sequences, so one model serves every subset.
 
     Args:
-        optimizer_model: ``optimizer_model.onnx`` of any artifacts of the model.
-        params: trainable tensors by name (float32 arrays).
+        optimizer_model: ``optimizer_model.onnx`` of any artifacts of the model (path,
+            ModelProto or serialized bytes).
+        params: trainable tensors by name (float32 arrays; ORT may update them in place).
         subsets: lists of names (:func:`etgraph.fold.optimizer_subsets`).
         threads: intra-op threads. work_dir: where ORT writes its JSON trace.
+        zeros: zero arrays by tensor name, shared (filled as needed): gradients and moments are
+            then zeros (AdamW's time does not depend on the values) instead of three new
+            arrays per tensor.
     """
 
-    def __init__(self, optimizer_model, params, subsets, *, threads, work_dir):
+    def __init__(self, optimizer_model, params, subsets, *, threads, work_dir, zeros=None):
+        if isinstance(optimizer_model, onnx.ModelProto):
+            optimizer_model = optimizer_model.SerializeToString()
         self.session = inference_session(
             optimizer_model,
             session_options(threads, str(Path(work_dir) / "ort_trace_optimizer"), role="profile"),
         )
         self.subsets = [list(s) for s in subsets]
+        # One set of arrays shared by the subsets (the values do not change the kernel's time;
+        # copies per subset cost seconds on big models). ``zeros``: the gradients and both
+        # moments are one zero array per tensor (shared with the profiled graphs' buffers).
+        used = [n for n in params if any(n in s for s in self.subsets)]
+        if zeros is None:
+            grads = {n: np.full_like(params[n], 1e-3) for n in used}
+            moments = {n: (np.zeros_like(params[n]), np.zeros_like(params[n])) for n in used}
+        else:
+            for n in used:
+                if n not in zeros:
+                    zeros[n] = np.zeros_like(params[n])
+            grads = {n: zeros[n] for n in used}
+            moments = {n: (zeros[n], zeros[n]) for n in used}
         self.feeds = [
             {
                 "learning_rate": np.array([1e-4], np.float32),
                 "step": np.array([1], np.int64),
-                "params": [params[n].copy() for n in s],
-                "gradients": [np.full_like(params[n], 1e-3) for n in s],
-                "first_order_moments": [np.zeros_like(params[n]) for n in s],
-                "second_order_moments": [np.zeros_like(params[n]) for n in s],
+                "params": [params[n] for n in s],
+                "gradients": [grads[n] for n in s],
+                "first_order_moments": [moments[n][0] for n in s],
+                "second_order_moments": [moments[n][1] for n in s],
             }
             for s in self.subsets
         ]
@@ -298,9 +475,9 @@ class OptimizerSubsets:
             self.session.run(None, feeds)
         self.rounds += 1
 
-    def result(self, warmup: int) -> list[tuple[int, int, float]]:
-        """``(tensor count, elements, kernel µs)`` per subset (:func:`robust_time` after
-        ``warmup`` rounds). Ends profiling.
+    def result(self, warmup: int, quantile: float = TIME_QUANTILE) -> list[tuple[int, int, float]]:
+        """``(tensor count, elements, kernel µs)`` per subset (:func:`robust_time` at
+        ``quantile`` after ``warmup`` rounds). Ends profiling.
 
         Raises:
             ModelError: the trace does not have one kernel event per subset and round.
@@ -313,23 +490,54 @@ class OptimizerSubsets:
             )
         per_subset = np.array(durs).reshape(self.rounds, k)[warmup:]
         return [
-            (count, elements, robust_time(per_subset[:, i]))
+            (count, elements, robust_time(per_subset[:, i], quantile))
             for i, (count, elements) in enumerate(self.sizes)
         ]
 
 
-def round_robin(runners: Sequence, repeats: int, warmup: int) -> None:
+def round_robin(
+    runners: Sequence,
+    repeats: int,
+    warmup: int,
+    *,
+    until=None,
+    max_repeats: int | None = None,
+) -> int:
     """Step every runner once per round for ``warmup + repeats`` rounds, so that changes of the
-    machine's load hit every measurement alike (the machine may be shared)."""
+    machine's load hit every measurement alike (the machine may be shared). With ``until`` (a
+    callable), more rounds follow, one at a time, until it returns True or ``max_repeats``
+    measured rounds have run. Returns the number of measured rounds."""
     for _ in range(warmup + repeats):
         for runner in runners:
             runner.step()
+    done = repeats
+    while until is not None and done < (max_repeats or repeats) and not until():
+        for runner in runners:
+            runner.step()
+        done += 1
+    return done
 
 
-def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 30) -> float:
+def reproduced(times: Sequence[float], tolerance: float) -> bool:
+    """Whether the two lowest of ``times`` agree within ``tolerance`` (relative): on a shared
+    machine other processes only add time, so two runs at the same low time are what this
+    machine's undisturbed speed looks like."""
+    low = sorted(times)[:2]
+    return len(low) == 2 and low[1] <= low[0] * (1.0 + tolerance)
+
+
+def measure_node_overhead_us(
+    threads: int,
+    *,
+    nodes: int = 400,
+    repeats: int = 30,
+    trace_dir: str | os.PathLike | None = None,
+) -> float:
     """Executor cost per node outside its kernel (µs, >= 0): wall time (:func:`robust_time`) of
     a chain of ``nodes`` trivial ``Neg`` nodes on a 1-element tensor, minus a 1-node chain,
-    divided by ``nodes - 1``."""
+    divided by ``nodes - 1``. With ``trace_dir`` the sessions run with ORT's per-node profiling
+    on (trace files written there and deleted): the cost per node of a profiled run, so the
+    difference from the untraced figure is what the trace itself adds per node."""
 
     def chain(k: int) -> bytes:
         body = [helper.make_node("Neg", [f"t{i}"], [f"t{i + 1}"]) for i in range(k)]
@@ -343,11 +551,12 @@ def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 3
             g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9
         ).SerializeToString()
 
-    so = session_options(threads, role="profile")
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     x = {"t0": np.ones(1, np.float32)}
     chain_s = []
     for k in (1, nodes):
+        prefix = None if trace_dir is None else str(Path(trace_dir) / f"ort_trace_chain{k}")
+        so = session_options(threads, prefix, role="profile")
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         sess = inference_session(chain(k), so)
         times = []
         for _ in range(repeats + 3):
@@ -355,6 +564,8 @@ def measure_node_overhead_us(threads: int, *, nodes: int = 400, repeats: int = 3
             sess.run(None, x)
             times.append(time.perf_counter() - t0)
         chain_s.append(robust_time(times[3:]))
+        if trace_dir is not None:
+            Path(sess.end_profiling()).unlink(missing_ok=True)
     return max(0.0, (chain_s[1] - chain_s[0]) * 1e6 / (nodes - 1))
 
 

@@ -107,7 +107,8 @@ def compile_model(
     tokenizer: str | None = None,
     output: str | None = None,
     loss: str = "ce",
-    repeats: int = 10,
+    profile_level: str = "fast",
+    repeats: int | None = None,
     threads: int | None = None,
     resolution: int | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -138,7 +139,8 @@ def compile_model(
         tokenizer: the model's ``tokenizer.json`` for text ``data``.
         output: the graph output to train on (None: the model's only output).
         loss: ``"ce"`` (cross-entropy on logits) or ``"mse"`` (:class:`etgraph.model.Task`).
-        repeats: profiler repetitions per configuration.
+        profile_level: ``"fast"`` or ``"thorough"`` (:data:`etgraph.profiler.LEVELS`).
+        repeats: profiler repetitions per configuration (None: the level's default).
         threads: ORT intra-op threads (default: profiler's default).
         resolution: DP time resolution ``T_q`` (None = exact µs).
         cache_dir: profile cache (default: the profiler's).
@@ -190,6 +192,7 @@ def compile_model(
             model,
             batch_size=batch_size,
             input_shapes=shapes,
+            level=profile_level,
             repeats=repeats,
             threads=threads,
             cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),

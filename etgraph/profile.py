@@ -8,11 +8,13 @@
 * :func:`default_cache_dir`, :func:`profile_key` — where :func:`etgraph.profiler.profile_model`
   caches profiles and under which name.
 
-JSON format (``format_version``): 5 holds one per-sample shape per model input
-(``input_shapes``, by input name) and the loss; 4 named the measured full step
+JSON format (``format_version``): 6 records the profiling ``level`` (``fast`` or
+``thorough``), the trace's per-node cost and the load average; 5 held one per-sample shape per
+model input (``input_shapes``, by input name) and the loss; 4 named the measured full step
 ``measured_full_step_us`` and had one ``input_shape`` (of the input named ``input``); format 3
-called it ``full_step_us``. Formats 3 and 4 still load (keys mapped). Profiles of other formats
-raise :class:`~etgraph.errors.ProfileMismatchError`.
+called it ``full_step_us``. Formats 3, 4 and 5 still load (keys mapped; they were all measured
+at the ``thorough`` level). Profiles of other formats raise
+:class:`~etgraph.errors.ProfileMismatchError`.
 """
 
 from __future__ import annotations
@@ -41,11 +43,15 @@ __all__ = [
 
 #: JSON format written by :meth:`Profile.to_dict`. 2: branch charges; 3: measured without
 #: thread-pool spinning; 4: ``full_step_us`` renamed ``measured_full_step_us``; 5: per-input
-#: ``input_shapes`` and ``loss``.
-PROFILE_FORMAT_VERSION = 5
+#: ``input_shapes`` and ``loss``; 6: ``level``, ``trace_overhead_us``, ``load_average``.
+PROFILE_FORMAT_VERSION = 6
 
-#: Older formats :meth:`Profile.from_dict` still reads, with the keys renamed since.
-_RENAMED_KEYS = {3: {"full_step_us": "measured_full_step_us"}, 4: {}}
+#: Older formats :meth:`Profile.from_dict` still reads, with the keys renamed since (all of
+#: them measured what the ``thorough`` level measures).
+_RENAMED_KEYS = {3: {"full_step_us": "measured_full_step_us"}, 4: {}, 5: {}}
+
+#: Profiling levels (:data:`etgraph.profiler.LEVELS`).
+_LEVELS = ("fast", "thorough")
 
 #: The one input of every model profiled before format 5 (legalisation renamed it so).
 _LEGACY_INPUT = "input"
@@ -73,18 +79,28 @@ class Profile:
         forward_us: µs paid by every step whatever the selection: ``forward_pass_us +
             optimizer_fixed_us + step_overhead_us``.
         measured_full_step_us: MEASURED step (:func:`etgraph.measure.robust_time`, the 20th
-            percentile) with all tensors trainable (training API), µs. Not ``T_full``: that is
-            :attr:`t_full_us`, the time model's full step.
+            percentile) with all tensors trainable, µs: at the ``thorough`` level a
+            training-API step (Module + AdamW + grad reset); at ``fast`` the training graph's
+            run in a plain session without the trace
+            (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`: per-node minimum kernel
+            times + executor cost per node + the run's time outside its kernels) plus the
+            AdamW kernel's fit for every tensor. Not ``T_full``: that is :attr:`t_full_us`,
+            the time model's full step.
         batch_size, threads (intra-op threads), ort_version, host.
         input_shapes: per-sample shape (dims after the batch) of every model input, by name,
             graph order (:func:`etgraph.model.input_shapes`).
         loss: the loss the training graphs were built with (``"ce"`` or ``"mse"``).
         clock: how real steps were timed, ``"wall"`` or ``"cpu"``
             (:func:`etgraph.measure.step_clock`).
+        level: how much was measured, ``"fast"`` or ``"thorough"``
+            (:mod:`etgraph.profiler`, "Profiling levels").
         forward_pass_us: forward + loss kernels (+ per-node overhead), µs.
         optimizer_fixed_us, optimizer_per_tensor_us, optimizer_per_element_us: AdamW fit, µs
             (:class:`etgraph.fold.OptimizerFit`).
         node_overhead_us: executor cost per node outside its kernel, µs.
+        trace_overhead_us: what ORT's per-node trace adds to a profiled run (the time
+            between kernels less the executor's ``node_overhead_us``), µs per node, of the fast
+            level's full graph (left out of its step times); 0 at ``thorough``.
         step_overhead_us: measured step minus what nodes and optimizer explain, mean over the
             profiled configurations (:func:`etgraph.fold.calibrate`), µs.
         forward_saved_fraction: share of a layer's forward time saved when no gradient passes
@@ -92,6 +108,8 @@ class Profile:
             layer's anchor tensor, the rest in ``forward_pass_us``.
         repeats, warmup: runs per measurement.
         profiling_s: wall time the profiling took, s.
+        load_average: the machine's 1-minute load average when profiling ended (None: not
+            recorded); a busy machine inflates every time.
         checks: ``{configuration: {"measured_us", "predicted_us", "trainable"}}`` for the
             configurations profiled (a built-in validation of the time model).
         nodes: per backward-graph node ``{name, op, us, charge, tensor}`` of the full graph.
@@ -123,16 +141,19 @@ class Profile:
     host: str
     clock: str = "wall"
     loss: str = "ce"
+    level: str = "thorough"
     forward_pass_us: float = 0.0
     optimizer_fixed_us: float = 0.0
     optimizer_per_tensor_us: float = 0.0
     optimizer_per_element_us: float = 0.0
     node_overhead_us: float = 0.0
+    trace_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
     forward_saved_fraction: float = 0.0
     repeats: int = 0
     warmup: int = 0
     profiling_s: float = 0.0
+    load_average: float | None = None
     checks: dict = field(default_factory=dict)
     nodes: list = field(default_factory=list)
     branches: list = field(default_factory=list)
@@ -167,8 +188,9 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
-        """Inverse of :meth:`to_dict`; also reads formats 4 and 3 (``input_shape`` becomes the
-        shape of input ``input``; format 3's ``full_step_us`` is ``measured_full_step_us``).
+        """Inverse of :meth:`to_dict`; also reads formats 5, 4 and 3 (``level`` thorough;
+        ``input_shape`` becomes the shape of input ``input``; format 3's ``full_step_us`` is
+        ``measured_full_step_us``).
 
         Raises:
             ProfileMismatchError: another format version.
@@ -191,6 +213,11 @@ class Profile:
             kwargs["input_shapes"] = {_LEGACY_INPUT: kwargs.pop("input_shape")}
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in kwargs.items() if k in known}
+        if kwargs.get("level", "thorough") not in _LEVELS:
+            raise ProfileMismatchError(
+                f"profile level {kwargs['level']!r} is not one of {', '.join(_LEVELS)}: "
+                "re-run `etgraph profile`"
+            )
         return cls(
             tensors=[r["name"] for r in rows],
             kinds=[r["kind"] for r in rows],
@@ -206,7 +233,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
-        """Read a profile written by :meth:`save` (format 4, or 3).
+        """Read a profile written by :meth:`save` (format 6, or 5, 4, 3).
 
         Raises:
             ConfigError: the file is missing or not valid JSON.
@@ -233,12 +260,13 @@ class Profile:
         threads: int | None = None,
         clock: str | None = None,
         loss: str | None = None,
+        level: str | None = None,
     ) -> None:
         """Raise :class:`ProfileMismatchError` unless this profile fits the given setting.
 
         Args:
             model_hash: :func:`etgraph.onnx_io.model_hash` of the model it is used for.
-            batch_size, input_shapes, threads, clock, loss: checked when given.
+            batch_size, input_shapes, threads, clock, loss, level: checked when given.
         """
         if model_hash != self.model_hash:
             raise ProfileMismatchError(
@@ -269,6 +297,11 @@ class Profile:
         if clock is not None and clock != self.clock:
             raise ProfileMismatchError(
                 f"profile timed steps with the {self.clock} clock, not {clock}: re-profile"
+            )
+        if level is not None and level != self.level:
+            raise ProfileMismatchError(
+                f"profile was measured at level {self.level}, not {level}: re-profile with "
+                f"--profile-level {level}"
             )
 
     @property
@@ -390,14 +423,18 @@ def profile_key(
     threads: int,
     clock: str = "wall",
     loss: str = "ce",
+    level: str = "thorough",
 ) -> str:
     """Cache key of a profile (16 hex digits): sha256 over model hash, input shapes
-    (:func:`format_shapes`), batch size, threads, clock, the loss (when not ``ce``) and the
-    measurement method's version."""
+    (:func:`format_shapes`), batch size, threads, clock, the loss (when not ``ce``), the
+    profiling level (when not ``thorough``) and the measurement method's version (a cached
+    ``thorough`` profile of format 5 still hits: measured the same way)."""
     text = (
         f"{model_hash}|{format_shapes(input_shapes)}|{int(batch_size)}|{int(threads)}|{clock}"
         f"|v{_METHOD_VERSION}"
     )
     if loss != "ce":
         text += f"|{loss}"
+    if level != "thorough":
+        text += f"|{level}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

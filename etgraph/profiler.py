@@ -63,6 +63,30 @@ measured times into the time model in :mod:`etgraph.fold`:
 
 ``forward_us`` is therefore the selection-independent part of a step: forward pass and loss
 (``forward_pass_us``, less the moved share) + optimizer fixed cost + ``step_overhead_us``.
+
+**Profiling levels** (``level``, :data:`LEVELS`; issue #16). Steps 1-6 above are the
+``thorough`` level. The default ``fast`` level measures less, because the training loop's
+closed loop re-fits the time model's scale and fixed per-step cost to the steps it runs
+(:mod:`etgraph.timing`, ``StepTimeFit``); what it cannot correct online is the *shape* of the
+model (which tensors cost what), and that comes from the same per-node measurements:
+
+* graphs only: the training graphs are built in memory
+  (:func:`etgraph.artifacts.training_graphs`, from a copy of the model without weights; no
+  checkpoint, no eval model, no training-API session; parameters bound once), and a step is
+  the profiled graph's own run without the trace
+  (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`) plus the optimizer fit for its
+  tensors; the all-trainable graph of the caller's artifact cache is used when it is there (so
+  the caller's tensor graph fits);
+* configurations ``full``, ``first_only`` — built with every batch norm in inference mode when
+  the model has batch norms, so one graph splits the fused ConvGrad nodes (dX alone) AND
+  measures each batch norm's inference mode (a batch norm of tensor 0 stays in training mode
+  and out of ``Profile.batch_norms``) — ``last_only`` (the saved-forward share), and
+  ``no_kernels`` only when a fused node also computes a bias gradient (dB apart from dX);
+* the optimizer on four subsets (:func:`etgraph.fold.optimizer_subsets` ``fast``);
+* 1 warm-up and 3 measured rounds, then more, one at a time, until every graph has two runs
+  within :data:`REPRODUCED_TOLERANCE` (up to :data:`FAST_MAX_REPEATS`): on an idle machine 3
+  rounds, on a busy one as many as it takes; of the rounds the minimum is kept
+  (:data:`FAST_QUANTILE`).
 """
 
 from __future__ import annotations
@@ -72,14 +96,22 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from . import graph
-from .artifacts import ArtifactCache, inference_batch_norms
+from .artifacts import (
+    ArtifactCache,
+    baked,
+    inference_batch_norms,
+    placeholder_weights,
+    training_graphs,
+)
 from .errors import ConfigError, ModelError, first_line
 from .fold import (
     batch_norm_modes,
@@ -87,16 +119,19 @@ from .fold import (
     charge_node_times,
     fit_optimizer,
     forward_us_by_anchor,
+    fused_grad_parts,
     optimizer_subsets,
     saved_forward_fraction,
 )
 from .host import host_description, physical_cores
 from .measure import (
+    Batch,
     OptimizerSubsets,
     ProfiledGraph,
     TrainStep,
     measure_node_overhead_us,
     random_batch,
+    reproduced,
     round_robin,
     step_clock,
 )
@@ -106,7 +141,36 @@ from .timing import BranchCharges, backward_us, step_us
 
 log = logging.getLogger(__name__)
 
-__all__ = ["profile_model"]
+__all__ = ["DEFAULT_LEVEL", "LEVELS", "profile_model"]
+
+#: Profiling levels and their ``(repeats, warmup)`` defaults (module docstring, "Profiling
+#: levels"; README, "Profiling cost").
+LEVELS: dict[str, tuple[int, int]] = {"fast": (3, 1), "thorough": (10, 3)}
+
+#: The level ``etgraph compile/profile/train`` use unless ``--profile-level`` says otherwise.
+DEFAULT_LEVEL = "fast"
+
+#: Fast level: more rounds follow its ``repeats`` until every graph has two runs within this
+#: relative tolerance (:func:`etgraph.measure.reproduced`), up to :data:`FAST_MAX_REPEATS`.
+REPRODUCED_TOLERANCE = 0.03
+FAST_MAX_REPEATS = 10
+
+#: Fast level: the statistic of a node's (and a run's) times is their minimum, not the 20th
+#: percentile: of 3-10 runs on a busy machine, one run of a node stalled by a scheduler time
+#: slice (10-30 ms on a 0.02-1 ms kernel, seen at load 9) moves any interpolated quantile; other
+#: processes only ever add time.
+FAST_QUANTILE = 0.0
+
+
+def check_level(level: str) -> str:
+    """Return ``level`` if it is one of :data:`LEVELS`.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    if level not in LEVELS:
+        raise ConfigError(f"unknown profile level {level!r}: choose one of {', '.join(LEVELS)}")
+    return level
 
 
 #: Configurations whose batch norms with frozen gamma and beta run in inference mode.
@@ -118,8 +182,9 @@ def profile_model(
     *,
     batch_size: int = 4,
     input_shapes=None,
-    repeats: int = 10,
-    warmup: int = 3,
+    level: str = DEFAULT_LEVEL,
+    repeats: int | None = None,
+    warmup: int | None = None,
     threads: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     clock: str = "wall",
@@ -138,13 +203,16 @@ def profile_model(
         input_shapes: per-input shapes (:meth:`etgraph.model.LoadedModel.input_shapes`:
             ``--input-shape`` texts, a mapping, or ``(C, H, W)`` for one input); None = the
             model's own static shapes.
-        repeats, warmup: measured / discarded runs per measurement (repeats >= 1, warmup >= 0).
+        level: ``"fast"`` (default) or ``"thorough"`` (module docstring, "Profiling levels");
+            recorded in the profile and in its cache key.
+        repeats, warmup: measured / discarded runs per measurement (repeats >= 1, warmup >= 0);
+            None = the level's default (:data:`LEVELS`).
         threads: ORT intra-op threads; None = physical cores. Recorded in the profile.
         cache_dir: if given, profiles are cached there as ``<key>.json`` keyed by model hash,
             input shapes, batch size, threads, clock and loss
             (:func:`etgraph.profile.profile_key`);
             a hit is returned as is.
-        clock: how real steps (``measured_full_step_us``, calibration) are timed: ``"wall"``
+        clock: how steps (``measured_full_step_us``, calibration) are timed: ``"wall"``
             (default) or ``"cpu"`` (thread CPU time, needs ``threads=1``;
             :func:`etgraph.measure.step_clock`).
         tensor_graph: the charged tensor graph (:func:`etgraph.graph.build_tensor_graph`) of
@@ -154,7 +222,8 @@ def profile_model(
             built once from the ``full`` configuration's training model.
         artifact_cache: where the configurations' artifacts are generated (a caller that
             generated the all-trainable artifacts of ``model.with_batch(batch_size, shapes)``
-            through it gets a hit); default a temporary cache, removed.
+            through it gets a hit; the fast level only looks the all-trainable ones up there
+            and builds the rest in memory); default a temporary cache, removed.
 
     Returns:
         The :class:`~etgraph.profile.Profile` (``t_dw_us``/``t_dy_us`` float64 [N], µs,
@@ -163,11 +232,14 @@ def profile_model(
     Raises:
         ModelError: ORT cannot build or run the training graph at this shape; the output has
             no static class count.
-        ConfigError: bad batch size, input shape, repeats, threads or clock.
+        ConfigError: bad batch size, input shape, level, repeats, threads or clock.
         ProfileMismatchError: a cached profile under this key belongs to another setting.
     """
     if batch_size <= 0:
         raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
+    check_level(level)
+    repeats = LEVELS[level][0] if repeats is None else int(repeats)
+    warmup = LEVELS[level][1] if warmup is None else int(warmup)
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     threads = physical_cores() if threads is None else int(threads)
@@ -179,7 +251,7 @@ def profile_model(
 
     cache_path = None
     if cache_dir is not None:
-        key = profile_key(model.hash, shapes, batch_size, threads, clock, loss)
+        key = profile_key(model.hash, shapes, batch_size, threads, clock, loss, level)
         cache_path = Path(cache_dir) / f"{key}.json"
         if cache_path.is_file():
             cached = Profile.load(cache_path)
@@ -190,27 +262,34 @@ def profile_model(
                 threads=threads,
                 clock=clock,
                 loss=loss,
+                level=level,
             )
             log.info("profile cache hit: %s", cache_path)
             return cached
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work:
-        cache = artifact_cache if artifact_cache is not None else ArtifactCache(Path(work) / "a")
         prof = _profile(
             model,
             shapes,
+            level=level,
             batch_size=batch_size,
             repeats=repeats,
             warmup=warmup,
             threads=threads,
             clock=clock,
             work=Path(work),
-            cache=cache,
+            cache=artifact_cache,
             tensor_graph=tensor_graph,
         )
     prof.profiling_s = time.perf_counter() - start
-    log.info("profiled %d tensors in %.1f s", len(prof.tensors), prof.profiling_s)
+    log.info(
+        "profiled %d tensors in %.1f s (level %s, load average %s)",
+        len(prof.tensors),
+        prof.profiling_s,
+        level,
+        prof.load_average,
+    )
     if cache_path is not None:
         prof.save(cache_path)
     return prof
@@ -229,13 +308,16 @@ def _configurations(tensors: Sequence[TensorInfo]) -> dict[str, list[int]]:
     return configs
 
 
-def _batch_norm_layers(model: LoadedModel) -> list[tuple[str, int, int]]:
+def _batch_norm_layers(
+    model: LoadedModel, requires_grad: Sequence[str]
+) -> list[tuple[str, int, int]]:
     """``(node name, gamma index, beta index)`` of every batch norm that ``--frozen-bn
-    inference`` can put in inference mode (both its gamma and beta are trainable tensors)."""
+    inference`` puts in inference mode when ``requires_grad`` train (both its gamma and beta
+    are trainable tensors, neither in ``requires_grad``)."""
     index = {t.name: t.index for t in model.tensors}
     nodes = {n.name: n for n in model.proto.graph.node}
     layers = []
-    for name in inference_batch_norms(model.proto, [], "inference"):
+    for name in inference_batch_norms(model.proto, list(requires_grad), "inference"):
         gamma, beta = nodes[name].input[1:3]
         if gamma in index and beta in index:
             layers.append((name, index[gamma], index[beta]))
@@ -248,31 +330,74 @@ def _mask(n: int, selected: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def _profile(
+@dataclass
+class _Measured:
+    """What one profiling level measured, for :func:`_fold`.
+
+    Attributes:
+        masks: selection mask (bool [N]) per configuration measured.
+        node_times: ``{configuration: {node: NodeTiming}}`` of the train-mode profiled graphs
+            (``"full"`` first; the others split fused nodes).
+        bn_times: node times of a graph with the batch norms of ``bn_layers`` in inference mode.
+        steps: measured step per configuration, µs.
+        calibrate: the configurations :func:`etgraph.fold.calibrate` averages over.
+        frozen_bn: batch-norm mode per configuration whose step was measured in inference mode.
+        observations: ``(count, elements, µs)`` of the optimizer subsets.
+        full_training_model: the all-trainable training graph (path or ModelProto).
+        trace_us: what ORT's per-node trace adds to a run, µs per node (fast level; 0 when
+            steps are timed by the training API).
+        repeats: measured rounds when more than asked were run (fast level), else None.
+    """
+
+    masks: dict[str, np.ndarray]
+    node_times: dict[str, dict]
+    bn_times: dict | None
+    steps: dict[str, float]
+    calibrate: list[str]
+    frozen_bn: dict[str, str]
+    observations: list
+    full_training_model: object
+    trace_us: float = 0.0
+    repeats: int | None = None
+
+
+def _ort_error(exc: Exception, batch: Batch) -> Exception:
+    """The one-line :class:`ModelError` for an ORT failure at the batch's input shapes; other
+    errors as they are."""
+    if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
+        return exc
+    shapes = {name: a.shape[1:] for name, a in batch.inputs.items()}
+    size = next(iter(batch.inputs.values())).shape[0]
+    return ModelError(
+        f"onnxruntime cannot run the model at input shape {format_shapes(shapes)}, batch "
+        f"{size} ({first_line(exc)[-300:]}): pass the shape it was exported for with "
+        "--input-shape"
+    )
+
+
+def _measure_thorough(
     model: LoadedModel,
-    shapes: dict[str, tuple[int, ...]],
+    model_b,
+    batch,
+    weights,
+    bn_layers,
     *,
-    batch_size: int,
     repeats: int,
     warmup: int,
     threads: int,
     clock: str,
     work: Path,
     cache: ArtifactCache,
-    tensor_graph: nx.DiGraph | None,
-) -> Profile:
+) -> _Measured:
+    """Level ``thorough``: artifacts per configuration, profiled graphs AND real training-API
+    steps of each, the optimizer on seven subsets (module docstring, steps 1-6)."""
     names = model.names
     n = len(names)
-    weights = model.initial_weights()
-    batch = random_batch(batch_size, model.inputs, shapes, model.task)
-    model_b = model.with_batch(batch_size, shapes)
     loss = model.task.loss
-
     configs = _configurations(model.tensors)
     masks = {c: _mask(n, sel) for c, sel in configs.items()}
     if n > 2:  # only the last tensor trainable: the forward runs almost as inference
         masks["last_only"] = _mask(n, [n - 1])
-    bn_layers = _batch_norm_layers(model)
     bn_tensors = {i for _, g, b in bn_layers for i in (g, b)}
     if bn_layers and len(bn_tensors) < n:  # every batch norm in inference mode
         masks["bn_inference"] = _mask(n, [i for i in range(n) if i not in bn_tensors])
@@ -287,7 +412,6 @@ def _profile(
         )[0].directory
         for c, m in masks.items()
     }
-    node_overhead = measure_node_overhead_us(threads)
     try:  # ORT raises here when the model does not run at this input shape
         # All measurements interleaved round by round: profiled graphs, real steps, optimizer.
         graphs = {
@@ -315,22 +439,243 @@ def _profile(
             runners.append(steps["last_only_inference"])
         round_robin(runners, repeats, warmup)
     except Exception as exc:
-        if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
-            raise
-        raise ModelError(
-            f"onnxruntime cannot run the model at input shape {format_shapes(shapes)}, batch "
-            f"{batch_size} ({first_line(exc)[-300:]}): pass the shape it was exported for with "
-            "--input-shape"
-        ) from exc
+        raise _ort_error(exc, batch) from exc
     node_times = {c: g.result(warmup) for c, g in graphs.items()}
-    bn_times = node_times.pop("bn_inference", None)
-    measured = {c: s.result(warmup) for c, s in steps.items()}
-    opt_fit = fit_optimizer(optimizer.result(warmup))
-    del graphs, steps, optimizer, runners
-    for c in configs:
-        log.info("config %s: %d nodes, step %.0f us", c, len(node_times[c]), measured[c])
-    if "last_only" in measured:
-        log.info("config last_only: step %.0f us", measured["last_only"])
+    return _Measured(
+        masks=masks,
+        node_times={c: node_times[c] for c in configs},
+        bn_times=node_times.get("bn_inference"),
+        steps={c: s.result(warmup) for c, s in steps.items()},
+        calibrate=list(configs),
+        frozen_bn={c: "inference" for c in _INFERENCE_CONFIGS if c in masks},
+        observations=optimizer.result(warmup),
+        full_training_model=art_dirs["full"] / "training_model.onnx",
+    )
+
+
+def _has_fused_bias_grad(training_model) -> bool:
+    """Whether a fused gradient node of the training graph (ConvGrad) computes a bias
+    gradient (``db`` part) beside dX and dW."""
+    return any(
+        "db" in fused_grad_parts(node.op_type, node.output) for node in training_model.graph.node
+    )
+
+
+def _measure_fast(
+    model: LoadedModel,
+    model_b,
+    batch,
+    weights,
+    bn_layers,
+    *,
+    repeats: int,
+    warmup: int,
+    threads: int,
+    clock: str,
+    work: Path,
+    node_overhead_us: float,
+    full_artifacts: Path | None,
+) -> _Measured:
+    """Level ``fast`` (module docstring, "Profiling levels"): training graphs built in memory
+    (no checkpoint, no training-API session), profiled graphs only, a step from its graph's
+    runs without the trace (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`) plus the
+    AdamW fit, the optimizer on four subsets. ``full_artifacts``: a directory holding the
+    all-trainable artifacts already (their graphs are used), or None."""
+    names = model.names
+    n = len(names)
+    loss = model.task.loss
+    masks = {"full": _mask(n, range(n))}
+    light = placeholder_weights(model_b, model.names + model.split(masks["full"])[1])  # once
+    if full_artifacts is not None:
+        full = onnx.load(str(full_artifacts / "training_model.onnx"), load_external_data=False)
+        optimizer_model = full_artifacts / "optimizer_model.onnx"
+    else:
+        full, optimizer_model = training_graphs(light, *model.split(masks["full"]), loss=loss)
+    graphs_in = {"full": full}
+    frozen_bn = {}
+    if n > 1:
+        masks["first_only"] = _mask(n, [0])
+        if bn_layers:  # the batch norms' inference mode is measured in the same graph
+            frozen_bn["first_only"] = "inference"
+        no_kernels = [t.index for t in model.tensors if t.kind != "kernel"]
+        if _has_fused_bias_grad(full) and 0 < len(no_kernels) < n:
+            masks["no_kernels"] = _mask(n, no_kernels)  # splits a fused node's dB from its dX
+    if n > 2:
+        masks["last_only"] = _mask(n, [n - 1])
+        if bn_layers:  # the frozen forward of --frozen-bn inference as training runs it: baked
+            masks["last_only_inference"] = masks["last_only"]
+            frozen_bn["last_only_inference"] = "inference"
+    for c, m in masks.items():
+        if c not in graphs_in:
+            graphs_in[c], _ = training_graphs(
+                light, *model.split(m), loss=loss, frozen_bn=frozen_bn.get(c, "train")
+            )
+    if "last_only_inference" in graphs_in:
+        graphs_in["last_only_inference"] = baked(graphs_in["last_only_inference"], weights)
+    params = {name: np.asarray(weights[name], dtype=np.float32) for name in names}
+    zeros: dict[str, np.ndarray] = {}
+    try:
+        graphs = {
+            c: ProfiledGraph(
+                g, weights, batch, threads=threads, work_dir=work, name=c, clock=clock, zeros=zeros
+            )
+            for c, g in graphs_in.items()
+        }
+        optimizer = OptimizerSubsets(
+            optimizer_model,
+            params,
+            optimizer_subsets(params, fast=True),
+            threads=threads,
+            work_dir=work,
+            zeros={},  # not the graphs' buffers: those hold gradients after a run
+        )
+        # Until every graph's run is reproduced in wall time, the clock of the kernel times
+        # (a loaded machine gets more rounds).
+        measured_rounds = round_robin(
+            [*graphs.values(), optimizer],
+            repeats,
+            warmup,
+            until=lambda: all(
+                reproduced(g.wall[warmup:], REPRODUCED_TOLERANCE) for g in graphs.values()
+            ),
+            max_repeats=max(repeats, FAST_MAX_REPEATS),
+        )
+    except Exception as exc:
+        raise _ort_error(exc, batch) from exc
+    # Every graph's result (it reads the trace); the baked one's nodes are fused: its step only.
+    node_times = {c: g.result(warmup, FAST_QUANTILE) for c, g in graphs.items()}
+    observations = optimizer.result(warmup, FAST_QUANTILE)
+    opt_fit = fit_optimizer(observations)
+    numel = np.array([weights[name].size for name in names], dtype=np.float64)
+    # A step: the graph's run without the trace, plus the AdamW step of its tensors.
+    steps = {
+        c: g.untraced_time_us(warmup, node_overhead_us)
+        + opt_fit.fixed_us
+        + float(opt_fit.tensor_us(numel[masks[c]]).sum())
+        for c, g in graphs.items()
+    }
+    trace_us = max(0.0, graphs["full"].trace_us_per_node(warmup) - node_overhead_us)
+    return _Measured(
+        masks=masks,
+        node_times={c: node_times[c] for c in ("full", "first_only", "no_kernels") if c in masks},
+        bn_times=node_times["first_only"] if frozen_bn.get("first_only") else None,
+        steps=steps,
+        # first_only only in training mode: for_frozen_bn's batch-norm differences miss part
+        # of what inference mode saves (its bn_inference check over-predicts by 2-16% at the
+        # thorough level), which would move the fixed cost
+        calibrate=[
+            c for c in ("full", "no_kernels", "first_only") if c in masks and c not in frozen_bn
+        ],
+        frozen_bn=frozen_bn,
+        observations=observations,
+        full_training_model=full,
+        trace_us=trace_us,
+        repeats=measured_rounds,
+    )
+
+
+def _profile(
+    model: LoadedModel,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    level: str,
+    batch_size: int,
+    repeats: int,
+    warmup: int,
+    threads: int,
+    clock: str,
+    work: Path,
+    cache: ArtifactCache | None,
+    tensor_graph: nx.DiGraph | None,
+) -> Profile:
+    names = model.names
+    n = len(names)
+    weights = model.initial_weights()
+    batch = random_batch(batch_size, model.inputs, shapes, model.task)
+    model_b = model.with_batch(batch_size, shapes)
+    loss = model.task.loss
+    # The fast level times shorter chains, fewer times (0.2 s of its 0.5 s on a small model).
+    chain = {"nodes": 200, "repeats": 10} if level == "fast" else {}
+    node_overhead = measure_node_overhead_us(threads, **chain)
+    if level == "thorough":
+        bn_layers = _batch_norm_layers(model, [])
+        measured = _measure_thorough(
+            model,
+            model_b,
+            batch,
+            weights,
+            bn_layers,
+            repeats=repeats,
+            warmup=warmup,
+            threads=threads,
+            clock=clock,
+            work=work,
+            cache=cache if cache is not None else ArtifactCache(work / "a"),
+        )
+    else:
+        # The first tensor trains in the graph that also measures the batch norms' inference
+        # mode, so a batch norm of tensor 0 stays out of it.
+        bn_layers = _batch_norm_layers(model, names[:1]) if n > 1 else []
+        full_artifacts = None
+        if cache is not None:  # the caller's all-trainable artifacts, when it has them
+            paths = cache.lookup(model_b, *model.split(_mask(n, range(n))), loss=loss)
+            full_artifacts = paths.directory if paths is not None else None
+        measured = _measure_fast(
+            model,
+            model_b,
+            batch,
+            weights,
+            bn_layers,
+            repeats=repeats,
+            warmup=warmup,
+            threads=threads,
+            clock=clock,
+            work=work,
+            node_overhead_us=node_overhead,
+            full_artifacts=full_artifacts,
+        )
+    return _fold(
+        model,
+        model_b,
+        measured,
+        bn_layers,
+        level=level,
+        batch_size=batch_size,
+        shapes=shapes,
+        repeats=repeats,
+        warmup=warmup,
+        threads=threads,
+        clock=clock,
+        node_overhead=node_overhead,
+        tensor_graph=tensor_graph,
+        weights=weights,
+    )
+
+
+def _fold(
+    model: LoadedModel,
+    model_b,
+    measured: _Measured,
+    bn_layers,
+    *,
+    level: str,
+    batch_size: int,
+    shapes,
+    repeats: int,
+    warmup: int,
+    threads: int,
+    clock: str,
+    node_overhead: float,
+    tensor_graph: nx.DiGraph | None,
+    weights,
+) -> Profile:
+    """Measured times → the time model (module docstring, steps 2-6)."""
+    names = model.names
+    loss = model.task.loss
+    masks, node_times, steps = measured.masks, measured.node_times, measured.steps
+    opt_fit = fit_optimizer(measured.observations)
+    for c, us in steps.items():
+        log.info("config %s: step %.0f us", c, us)
     numel = np.array([weights[name].size for name in names], dtype=np.float64)
 
     charges = graph.charges(tensor_graph) if tensor_graph is not None else {}
@@ -340,26 +685,35 @@ def _profile(
             # another generation of the training model names them differently.
             log.info("the given tensor graph is of another training model: building it again")
         # Built once, from the training model just profiled.
-        full_training_model = art_dirs["full"] / "training_model.onnx"
         charges = graph.charges(
-            graph.build_tensor_graph(model_b, training_model=full_training_model, loss=loss)
+            graph.build_tensor_graph(
+                model_b, training_model=measured.full_training_model, loss=loss
+            )
         )
     charged = charge_node_times(node_times, charges, names, node_overhead)
     t_dw = charged.t_dw_us + opt_fit.tensor_us(numel)
     t_dy = charged.t_dy_us
     forward_pass = charged.forward_pass_us
-    branches = BranchCharges.from_rows(charged.branches, n)
+    branches = BranchCharges.from_rows(charged.branches, len(names))
+
+    batch_norms = []
+    if measured.bn_times is not None:
+        batch_norms = batch_norm_modes(
+            node_times["full"], measured.bn_times, bn_layers, charges, node_overhead
+        )
 
     constant = forward_pass + opt_fit.fixed_us
     explained = {c: constant + backward_us(m, t_dw, t_dy, branches) for c, m in masks.items()}
-    step_overhead = calibrate([explained[c] for c in configs], [measured[c] for c in configs])
+    step_overhead = calibrate(
+        [explained[c] for c in measured.calibrate], [steps[c] for c in measured.calibrate]
+    )
     # Forward work that only a training graph does (activations kept, no fusion): saved when
     # no gradient passes the layer, so it belongs on t_dy of the layer's anchor tensor.
     by_anchor = forward_us_by_anchor(model_b, charged.rows, names, node_overhead)
     forward_saved = 0.0
-    if "last_only" in measured:
+    if "last_only" in steps:
         forward_saved = saved_forward_fraction(
-            step_overhead, measured["last_only"] - explained["last_only"], by_anchor[:-1].sum()
+            step_overhead, steps["last_only"] - explained["last_only"], by_anchor[:-1].sum()
         )
     moved = forward_saved * by_anchor
     t_dy = t_dy + moved
@@ -371,17 +725,12 @@ def _profile(
 
     checks = {
         c: {
-            "measured_us": measured[c],
-            "predicted_us": step_us(mask, t_dw, t_dy, forward_us, branches),
-            "trainable": int(mask.sum()),
+            "measured_us": steps[c],
+            "predicted_us": step_us(masks[c], t_dw, t_dy, forward_us, branches),
+            "trainable": int(masks[c].sum()),
         }
-        for c, mask in masks.items()
+        for c in steps
     }
-    batch_norms = []
-    if bn_times is not None:
-        batch_norms = batch_norm_modes(
-            node_times["full"], bn_times, bn_layers, charges, node_overhead
-        )
     prof = Profile(
         model_hash=model.hash,
         tensors=names,
@@ -389,12 +738,13 @@ def _profile(
         t_dw_us=t_dw,
         t_dy_us=t_dy,
         forward_us=float(forward_us),
-        measured_full_step_us=float(measured["full"]),
+        measured_full_step_us=float(steps["full"]),
         batch_size=int(batch_size),
         input_shapes=shapes,
         threads=threads,
         clock=clock,
         loss=loss,
+        level=level,
         ort_version=ort.__version__,
         host=host_description(),
         forward_pass_us=float(forward_pass),
@@ -402,27 +752,40 @@ def _profile(
         optimizer_per_tensor_us=opt_fit.per_tensor_us,
         optimizer_per_element_us=opt_fit.per_element_us,
         node_overhead_us=float(node_overhead),
+        trace_overhead_us=float(measured.trace_us),
         step_overhead_us=float(step_overhead),
         forward_saved_fraction=float(forward_saved),
-        repeats=int(repeats),
+        repeats=int(measured.repeats or repeats),
         warmup=int(warmup),
+        load_average=_load_average(),
         checks=checks,
         nodes=charged.rows,
         branches=charged.branches,
         batch_norms=batch_norms,
     )
-    if "last_only_inference" in measured:
+    if "last_only_inference" in steps:
         # What the per-node inference deltas do not explain of the frozen forward in inference
         # mode (sessions bake frozen weights: ORT fuses Conv + BN + activation there), moved
         # from the forward pass to t_dy of the anchors, as forward_saved is in training mode.
         residual = (
             prof.for_frozen_bn("inference").predicted_step_us(masks["last_only_inference"])
-            - measured["last_only_inference"]
+            - steps["last_only_inference"]
         )
         skipped = by_anchor[:-1].sum()
         if skipped > 0:
             extra = float(np.clip(residual / skipped, -forward_saved, 1.0 - forward_saved))
             prof.inference_forward_moved_us = [float(v) for v in extra * by_anchor]
-    for c in _INFERENCE_CONFIGS & set(checks):  # inference-mode time model vs measured step
-        checks[c]["predicted_us"] = prof.for_frozen_bn("inference").predicted_step_us(masks[c])
+    inference = prof.for_frozen_bn("inference")
+    for c, mode in measured.frozen_bn.items():  # steps measured with batch norms in inference
+        checks[c]["frozen_bn"] = mode
+        checks[c]["predicted_us"] = inference.predicted_step_us(masks[c])
     return prof
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): a profile measured on a busy
+    machine is recorded as such."""
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:
+        return None
