@@ -365,6 +365,10 @@ PROBE_BUDGET = 0.02
 #: run whose :data:`PROBE_BUDGET` is less is not probed.
 PROBE_COST_FULL_STEPS = 80
 
+#: What a run too short to probe trains with below the load gate (a quiet machine): spinning
+#: on + ``force_spinning_stop``, faster than off in every role there, round robin included.
+QUIET_CANDIDATE = "on+stop"
+
 #: Rounds of the probe (timed full steps per candidate) at most.
 PROBE_ROUNDS = 4
 
@@ -804,15 +808,16 @@ class _Run:
         :data:`PROBE_ROUNDS`. The winner's session becomes the full reference session (and
         importance's), so only the losers' cost is extra; the probe's time is charged to the
         next epoch's wall time (``ort_probe_s``). Not probed (spinning off) under ``memory_mb``
-        (two all-trainable sessions at once), at a load average of
-        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more, or in a run too short to pay for it
-        (:data:`PROBE_COST_FULL_STEPS` above :data:`PROBE_BUDGET` of its steps). Returns
+        (two all-trainable sessions at once) or at a load average of
+        :data:`PROBE_MAX_LOAD_PER_CORE` per core or more; in a run too short to pay for it
+        (:data:`PROBE_COST_FULL_STEPS` above :data:`PROBE_BUDGET` of its steps) below that load,
+        :data:`QUIET_CANDIDATE` without a probe. Returns
         whether the options changed (the training session must then be opened again)."""
         cfg = self.config
         if cfg.spinning != "auto":
             return False
         before = self.ort.label
-        note = ""
+        note, label = "", "off"
         cores = len(os.sched_getaffinity(0))
         load = os.getloadavg()[0]
         if self.ort.config.spinning:  # the run's own spinning pool threads count as load
@@ -822,24 +827,31 @@ class _Run:
         elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
             note = f"not probed: load average {load:.1f} (other work) >= {cores} cores"
         elif PROBE_BUDGET * self.total_steps * self.rho < PROBE_COST_FULL_STEPS:
+            # Below the load gate the machine is quiet: take what won there in every role,
+            # round robin included (README, "ORT session options": on + stop 0.80-0.94x of off
+            # at load 0.3-1.7; 0.78x in the loop at load 1.5).
+            label = QUIET_CANDIDATE
             note = (
                 f"not probed: {self.total_steps} steps at rho {self.rho:.2f} are too few to pay "
-                f"for it (about {PROBE_COST_FULL_STEPS} full steps)"
+                f"for it (about {PROBE_COST_FULL_STEPS} full steps); load average {load:.1f} "
+                f"< {cores} cores: the quiet-machine choice"
             )
         if note:
-            self.ort = ConfigChoice.given("off", note)
+            self.ort = ConfigChoice.given(label, note)
             self._ort_base_ms = None  # the speed to watch: the first period's full step
             self._ort_pending = True
-            log.info("session options: spinning off (%s)", note)
-            if before != "off":  # sessions open with other options: open them again
+            log.info("session options: spinning %s (%s)", label, note)
+            if before != label:  # sessions open with other options: open them again
                 self._reference = None
                 if self._evaluator is not None:
                     self._evaluator.config = self.ort.config
                     self._evaluator.close()
-            return before != "off"
+            return before != label
         t0 = time.perf_counter()
         # importance's all-trainable artifacts too (same cache key)
-        directory = self.artifacts(np.ones(len(self.names), dtype=bool))[0].directory
+        directory = self.artifacts(np.ones(len(self.names), dtype=bool), checkpoint=True)[
+            0
+        ].directory
         batch = self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, 0))
         per_round = 2 * len(TRAIN_CANDIDATES)  # full steps a round costs
         affordable = PROBE_BUDGET * self.total_steps * self.rho / per_round

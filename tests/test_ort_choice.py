@@ -110,6 +110,10 @@ def test_run_probes_session_options_without_changing_what_it_trains(
     monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # probe at any load
     short = train(default_model, prof, cfg, tmp_path / "short", progress=False)
     assert short.ort_probe_s == 0 and "too few to pay for it" in short.ort_note
+    assert short.ort_config == loop.QUIET_CANDIDATE  # below the load gate: a quiet machine
+    for a, b in zip(read_log(tmp_path / "short"), read_log(tmp_path / "loaded"), strict=True):
+        assert a["selection"] == b["selection"]  # other options, the same training
+        np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-5)
     monkeypatch.setattr(loop, "PROBE_COST_FULL_STEPS", 0)  # and in a short run
     monkeypatch.setattr(loop, "REPROBE_FACTOR", 1.0 + 1e-9)  # and again every period
     runs = {}
