@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnxruntime.training import api
 
@@ -54,7 +53,6 @@ __all__ = [
     "score",
     "session_options",
     "shared_arena",
-    "shrink_shared_arena",
     "softmax_cross_entropy",
 ]
 
@@ -137,35 +135,6 @@ def shared_arena() -> None:
     )
     ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
     _SHARED_ARENA.append(True)
-
-
-_SHRINKER: list[ort.InferenceSession] = []  # a one-node session on the shared arena
-
-
-def shrink_shared_arena() -> None:
-    """Return the shared arena's wholly free regions to the OS (issue #17: between periods).
-
-    ORT shrinks an arena at the end of a run whose ``RunOptions`` name it
-    (``memory.enable_memory_arena_shrinkage = "cpu:0"``); a training ``Module`` takes no
-    ``RunOptions``, but the arena is shared (:func:`shared_arena`), so one run of a one-node
-    ``InferenceSession`` on it shrinks it for every session. Regions that still hold a live
-    tensor (weights, a session's buffers) stay. ResNet50 128 px: after releasing a training
-    session, 740 -> 698 MiB.
-    """
-    if not _SHRINKER:
-        shared_arena()
-        x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
-        y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
-        graph = onnx.helper.make_graph(
-            [onnx.helper.make_node("Identity", ["x"], ["y"])], "shrink", [x], [y]
-        )
-        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-        model.ir_version = 8
-        options = session_options(1, config=OrtConfig(spinning=False, shared_arena=True))
-        _SHRINKER.append(inference_session(model.SerializeToString(), options))
-    run_options = ort.RunOptions()
-    run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-    _SHRINKER[0].run(None, {"x": np.zeros(1, dtype=np.float32)}, run_options)
 
 
 #: The training sessions' candidate options, chosen per run by :func:`choose_train_config`:

@@ -37,7 +37,6 @@ from etgraph.sessions import (
     OrtConfig,
     inference_session,
     session_options,
-    shrink_shared_arena,
 )
 
 
@@ -159,31 +158,6 @@ def _rss_mb() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-def test_shrinking_the_shared_arena_returns_free_regions():
-    """A 64 MiB intermediate lands in the shared arena; once its session is released, the
-    arena keeps it (ORT's arenas never return memory) until shrink_shared_arena()."""
-    nodes = [
-        helper.make_node("Expand", ["x", "shape"], ["big"], name="expand"),
-        helper.make_node("ReduceSum", ["big"], ["y"], name="sum", keepdims=0),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
-        [helper.make_tensor("shape", TensorProto.INT64, [1], [16 << 20])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    shrink_shared_arena()
-    sess = inference_session(model.SerializeToString(), session_options(1, role="eval"))
-    assert sess.run(None, {"x": np.ones(1, dtype=np.float32)})[0] == pytest.approx(16 << 20)
-    del sess
-    held = _rss_mb()
-    shrink_shared_arena()
-    assert _rss_mb() < held - 48.0
 
 
 def test_interpolation_is_exact_at_anchors_and_follows_the_proxy():
@@ -399,7 +373,6 @@ def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
     streamed export); resuming after the last period exports the same model."""
     from etgraph.checkpoint import read_checkpoint
     from etgraph.loop import resume
-    from etgraph.sessions import inference_session
     from etgraph.timing import min_feasible_rho
 
     prof, _ = default_profile
