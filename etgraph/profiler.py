@@ -510,8 +510,11 @@ def _measure_fast(
             graphs_in[c], _ = training_graphs(
                 light, *model.split(m), loss=loss, frozen_bn=frozen_bn.get(c, "train")
             )
-    if "last_only_inference" in graphs_in:
-        graphs_in["last_only_inference"] = baked(graphs_in["last_only_inference"], weights)
+    # The last_only steps as training sessions run them: frozen parameters baked in
+    # (etgraph.artifacts.bake_frozen); only their step times are used.
+    for c in ("last_only", "last_only_inference"):
+        if c in graphs_in:
+            graphs_in[c] = baked(graphs_in[c], weights)
     params = {name: np.asarray(weights[name], dtype=np.float32) for name in names}
     zeros: dict[str, np.ndarray] = {}
     try:

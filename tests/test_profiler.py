@@ -248,9 +248,10 @@ def test_profile_json_formats_5_4_and_3_still_load(tmp_path):
 
 
 def test_profile_key_of_thorough_unchanged_fast_differs():
-    """A cached thorough profile of format 5 still hits (same key text); fast has its own."""
+    """The thorough level's key text is the one format 5 used (method version 5: a profile of
+    that method still hits); fast has its own."""
     shapes = {"input": (3, 32, 32)}
-    text = "abc|3x32x32|4|1|wall|v4"
+    text = "abc|3x32x32|4|1|wall|v5"
     assert profile_key("abc", shapes, 4, 1) == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert profile_key("abc", shapes, 4, 1, level="thorough") == profile_key("abc", shapes, 4, 1)
     assert profile_key("abc", shapes, 4, 1, level="fast") != profile_key("abc", shapes, 4, 1)
@@ -611,7 +612,11 @@ def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_model, pr
     # prediction is compared at the machine speed of that moment.
     speed = full / prof.measured_full_step_us
     rel = predicted * speed / measured - 1.0
-    assert np.all(np.abs(rel) < 0.25), (predicted, measured, full)
+    # The fast level times graph runs, not the training API's steps: on this 1.5 ms model the
+    # API's fixed per-step costs it leaves to the closed loop are a larger share (22-36% seen
+    # on the sparse masks in one run of three at load 1.5).
+    tolerance = 0.25 if prof.level == "thorough" else 0.4
+    assert np.all(np.abs(rel) < tolerance), (predicted, measured, full)
     # Sanity: these selective steps are faster than full ones, measured and predicted.
     assert np.all(measured < full)
     assert np.all(predicted < prof.measured_full_step_us)
@@ -640,10 +645,13 @@ def test_fast_profile_measures_three_graphs_and_both_batch_norm_modes(
     fast = resnet18s_fast_profile
     assert fast.level == "fast" and resnet18s_profile.level == "thorough"
     assert 3 <= fast.repeats <= 10 and fast.warmup == 1  # more rounds when runs disagree
-    # full, first_only (batch norms in inference mode), last_only; no_kernels only splits a
-    # conv's bias gradient, and these convs have none
-    assert set(fast.checks) == {"full", "first_only", "last_only"}
+    # full, first_only (batch norms in inference mode), last_only, and last_only baked with
+    # batch norms in inference mode; no_kernels only splits a conv's bias gradient, and these
+    # convs have none
+    assert set(fast.checks) == {"full", "first_only", "last_only", "last_only_inference"}
     assert fast.checks["first_only"]["frozen_bn"] == "inference"
+    assert fast.checks["last_only_inference"]["frozen_bn"] == "inference"
+    assert len(fast.inference_forward_moved_us) == len(fast.tensors)
     # every batch norm but one of tensor 0 has both modes measured
     bn_tensors = {r["gamma"] for r in resnet18s_profile.batch_norms}
     assert {r["gamma"] for r in fast.batch_norms} == bn_tensors - {0}
