@@ -463,7 +463,11 @@ class ImportanceEvaluator:
                     checkpoint=False,
                 )
                 session = GradientSession(
-                    paths.directory, self.threads, input_names=self.input_names, checkpoint=path
+                    paths.directory,
+                    self.threads,
+                    input_names=self.input_names,
+                    checkpoint=path,
+                    config=self.config,
                 )
                 session_s += time.perf_counter() - ts
                 chunk_losses = session.accumulate(batches)
