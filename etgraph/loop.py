@@ -29,8 +29,8 @@ steps — about ``reference_budget`` (1%) of the period's time, at least one
 rho is an elastic step over a full step measured in the same conditions (``rho_measured`` per
 epoch, ``rho_achieved`` in the summary). With ``closed_loop`` (default) every period fits the
 time model to those measurements (:func:`etgraph.timing.fit_step_times`: the median of the
-epochs' per-step offsets, the load scale from the last epoch; by process CPU time,
-:data:`FIT_CLOCK`) and the DP budgets with the corrected model
+epochs' per-step offsets, the load scale from the last epoch; by process CPU time unless the
+sessions spin, :func:`fit_clock`) and the DP budgets with the corrected model
 (:meth:`etgraph.timing.StepTimeFit.time_model`). ``deadline_s`` chooses rho per period from
 the measured progress instead (:meth:`_Run.deadline_rho`). Selections then depend on measured
 times: only the open loop (``closed_loop=False``) repeats its selections run to run.
@@ -210,8 +210,8 @@ class TrainConfig:
             (:class:`etgraph.data.Preprocess`; the embedded digits keep their own).
         closed_loop: re-fit the time model to the measured steps every period and select with
             the corrected model (selections then vary with the machine's timing).
-        reference_budget: share of each epoch's time spent on full reference steps, in (0, 1]
-            (at least one per epoch); more = a less noisy achieved rho and fit.
+        reference_budget: share of each period's elastic step time spent on full reference
+            steps, in (0, 1] (at least one per period); more = a less noisy achieved rho and fit.
         deadline_s: finish the run (training, validation, export) within this many seconds
             of its start, choosing rho per period from the measured progress
             (:meth:`_Run.deadline_rho`; ``rho`` is then not used).

@@ -153,13 +153,6 @@ def test_every_session_role_allocates_from_the_shared_arena():
         plain.get_session_config_entry("session.use_env_allocators")
 
 
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_interpolation_is_exact_at_anchors_and_follows_the_proxy():
     proxy = np.array([100.0, 80.0, 70.0, 40.0, 10.0, 10.0, 0.0])
     out = interpolate_earliest_mb([6, 0, 3], [5.0, 50.0, 20.0], proxy)
@@ -396,9 +389,12 @@ def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
     assert free.step == bounded.step == 12
     for name, value in free.weights.items():
         np.testing.assert_allclose(bounded.weights[name], value, rtol=1e-5, atol=1e-7)
+    # The unbounded run's sessions bake the frozen weights (ORT folds batch norms into convs:
+    # float sums reassociated, test_bake.py), the bounded run's do not: moments of ~1e-6 differ
+    # by a few 1e-9.
     for name, moments in free.moments.items():
         for key, value in moments.items():
-            np.testing.assert_allclose(bounded.moments[name][key], value, rtol=1e-4, atol=1e-9)
+            np.testing.assert_allclose(bounded.moments[name][key], value, rtol=1e-4, atol=1e-8)
     x = np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32)
     outputs = [
         inference_session(str(tmp_path / n / "model_trained.onnx")).run(None, {"input": x})[0]
