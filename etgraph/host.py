@@ -89,27 +89,29 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size (MiB) since the last :func:`reset_peak_rss` (Linux ``VmHWM``;
-    elsewhere the process's lifetime peak)."""
+def _status_mb(field: str) -> float | None:
+    """``field`` (``VmHWM``, ``VmRSS``) of this process's ``/proc/self/status``, MiB; None
+    where the OS has none."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size (MiB) since the last :func:`reset_peak_rss` (Linux ``VmHWM``;
+    elsewhere the process's lifetime peak)."""
+    peak = _status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def rss_mb() -> float:
     """This process's resident set size now (MiB, Linux ``VmRSS``; NaN where unknown)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return float("nan")
+    rss = _status_mb("VmRSS")
+    return rss if rss is not None else float("nan")
 
 
 def process_age_s() -> float:
