@@ -1036,8 +1036,9 @@ class _Run:
         resolution = cfg.resolution
         if resolution is None and memory is not None:
             resolution = MEMORY_DP_RESOLUTION
-        try:
-            mask = strategy_mask(
+
+        def select(memory: MemoryCosts | None) -> np.ndarray:
+            return strategy_mask(
                 cfg.strategy,
                 self.tensors,
                 time_model,
@@ -1046,6 +1047,9 @@ class _Run:
                 resolution=resolution,
                 memory=memory,
             )
+
+        try:
+            mask = select(memory)
         except InfeasibleMemoryError as exc:
             if not records:  # the budget cannot hold from the start: the one-line error
                 raise
@@ -1054,15 +1058,7 @@ class _Run:
             # lose the run; the log shows the excess.
             log.warning("%s: this period trains at that peak instead", exc)
             memory = dataclasses.replace(memory, budget_mb=exc.min_memory_mb)
-            mask = strategy_mask(
-                cfg.strategy,
-                self.tensors,
-                time_model,
-                self.rho,
-                importance,
-                resolution=resolution,
-                memory=memory,
-            )
+            mask = select(memory)
         self._predicted_peak_mb = None if memory is None else memory.peak_mb(mask)
         t2 = time.perf_counter()
         cache_hit = None
