@@ -313,7 +313,7 @@ class TrainingSession:
         self._baked = None
         if bake:
             self._baked = tempfile.TemporaryDirectory(prefix="etgraph-baked-")
-            weights = read_checkpoint(checkpoint)[0].weights
+            weights = read_checkpoint(checkpoint, moments=False)[0].weights  # frozen: no moments
             d = bake_frozen(d, weights, self._baked.name)
             del weights
         self.state = api.CheckpointState.load_checkpoint(str(checkpoint))
