@@ -3,18 +3,21 @@
 * :func:`physical_cores`, :func:`host_description` — recorded with every profile.
 * :func:`reset_peak_rss`, :func:`peak_rss_mb` — peak resident memory per period (Linux).
 * :func:`release_native_memory` — hand freed native heap back to the OS after a re-selection.
+* :func:`freeze_gc` — keep the cyclic garbage collector off the libraries' objects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import platform
 import resource
 from pathlib import Path
 
 __all__ = [
+    "freeze_gc",
     "process_age_s",
     "host_description",
     "peak_rss_mb",
@@ -48,6 +51,20 @@ def host_description() -> str:
     except OSError:
         pass
     return f"{platform.node()} ({platform.machine()}, {cpu})"
+
+
+def freeze_gc() -> None:
+    """Move every object alive now into the garbage collector's permanent generation
+    (:func:`gc.freeze`), so its collections scan only what is created afterwards.
+
+    onnxruntime-training imports torch: millions of long-lived objects that every full
+    collection walks (~0.2 s each), and building training graphs (onnx-ir, onnxblock) creates
+    enough objects to trigger several. Called where the heavy work starts (profiling, a training
+    run); objects frozen are still freed by reference counting. Measured: ResNet50 at 128 px,
+    fast profile, four in a row: 2.99-3.03 s frozen vs 3.01-3.88 s not (building the graphs
+    0.30-0.34 s vs 0.43-0.48 s).
+    """
+    gc.freeze()
 
 
 def release_native_memory() -> None:

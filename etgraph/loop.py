@@ -120,6 +120,7 @@ from .errors import (
     TrainingDivergedError,
 )
 from .host import (
+    freeze_gc,
     limit_heap_retention,
     peak_rss_mb,
     release_native_memory,
@@ -953,6 +954,7 @@ class _Run:
         """Train from ``start_epoch`` (a period boundary) with ``carried`` state to the end
         (a checkpoint file under a memory budget)."""
         cfg = self.config
+        freeze_gc()  # re-selections build graphs: collections then skip the libraries' objects
         session: TrainingSession | None = None
         mask_prev: np.ndarray | None = None
         (self.out / SESSION_DIR).mkdir(parents=True, exist_ok=True)
