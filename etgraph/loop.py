@@ -401,8 +401,11 @@ CHECKPOINT_SAVE_COPIES = 2.0
 #: budget still holds).
 MEMORY_DP_RESOLUTION = 1000
 
-#: Untimed full steps before each timed reference step: the elastic steps around it have warm
-#: caches, and so would full training's.
+#: Full steps before each reference step's last: the elastic steps around it have warm caches,
+#: and so would full training's. All are timed and the reference is the fastest: the first
+#: after elastic steps is ~5% slower, but one full step can also be stalled by a neighbour (a
+#: 263 ms reference among 191-197 ms ones on ResNet50 at 128 px, quiet machine, made its
+#: period 28% off), and the minimum of two keeps that period within ~5%.
 REFERENCE_WARMUP = 1
 
 
@@ -816,7 +819,7 @@ class _Run:
         config = dataclasses.replace(choice.config, shared_arena=False, mem_pattern=False)
         return dataclasses.replace(choice, config=config)
 
-    def choose_ort_config(self) -> bool:
+    def choose_ort_config(self, slowdown: float | None = None) -> bool:
         """Measure which options the run's sessions train fastest with (``spinning="auto"``):
         :func:`etgraph.sessions.choose_train_config` on the full artifacts (the reference
         steps' and importance's, so nothing more is generated), on a probe batch at learning
@@ -827,8 +830,11 @@ class _Run:
         (two all-trainable sessions at once) or at a load average of
         :data:`PROBE_MAX_LOAD_PER_CORE` per core or more; in a run too short to pay for it
         (:data:`PROBE_COST_FULL_STEPS` above :data:`PROBE_BUDGET` of its steps) below that load,
-        :data:`QUIET_CANDIDATE` without a probe. Returns
-        whether the options changed (the training session must then be opened again)."""
+        :data:`QUIET_CANDIDATE` without a probe — unless this is a re-check because the full
+        step became ``slowdown`` (> 1) times slower: other work started, and the 1-minute load
+        average lags it (a CPU hog started 20 s before read as 1.4 on 2 cores), so spinning
+        off. Returns whether the options changed (the training session must then be opened
+        again)."""
         cfg = self.config
         if cfg.spinning != "auto":
             return False
@@ -843,15 +849,18 @@ class _Run:
         elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
             note = f"not probed: load average {load:.1f} (other work) >= {cores} cores"
         elif PROBE_BUDGET * self.total_steps * self.rho < PROBE_COST_FULL_STEPS:
-            # Below the load gate the machine is quiet: take what won there in every role,
-            # round robin included (README, "ORT session options": on + stop 0.80-0.94x of off
-            # at load 0.3-1.7; 0.78x in the loop at load 1.5).
-            label = QUIET_CANDIDATE
             note = (
                 f"not probed: {self.total_steps} steps at rho {self.rho:.2f} are too few to pay "
-                f"for it (about {PROBE_COST_FULL_STEPS} full steps); load average {load:.1f} "
-                f"< {cores} cores: the quiet-machine choice"
+                f"for it (about {PROBE_COST_FULL_STEPS} full steps); "
             )
+            if slowdown is not None and slowdown > 1:
+                note += f"the full step is {slowdown:.1f}x slower than at the last choice"
+            else:
+                # Below the load gate the machine is quiet: take what won there in every role,
+                # round robin included (README, "ORT session options": on + stop 0.80-0.94x of
+                # off at load 0.3-1.7; 0.78x in the loop at load 1.5).
+                label = QUIET_CANDIDATE
+                note += f"load average {load:.1f} < {cores} cores: the quiet-machine choice"
         if note:
             self.ort = self._given(label, note)
             self._ort_base_ms = None  # the speed to watch: the first period's full step
@@ -915,9 +924,9 @@ class _Run:
         if 1 / REPROBE_FACTOR < factor < REPROBE_FACTOR:
             return False
         log.info("full step %.2f ms, %.2fx the last choice's: choosing again", now_ms, factor)
-        changed = self.choose_ort_config()
-        if self._ort_base_ms is None or not self.ort.step_ms:
-            self._ort_base_ms = now_ms
+        changed = self.choose_ort_config(slowdown=factor)
+        if not changed and (self._ort_base_ms is None or not self.ort.step_ms):
+            self._ort_base_ms = now_ms  # changed: the next period's step, in the new options
         return changed
 
     def fit_time_model(self, records: list[dict]) -> StepTimeFit:
@@ -1142,12 +1151,14 @@ class _Run:
             step_cpu.append(time.process_time() - cs)
             if i in reference_at:
                 t_ref = time.perf_counter()
-                for _ in range(REFERENCE_WARMUP):  # warm its caches, as full training's are
+                wall, cpu = [], []
+                for _ in range(1 + REFERENCE_WARMUP):  # the fastest of them (REFERENCE_WARMUP)
+                    ts, cs = time.perf_counter(), time.process_time()
                     reference.train_step(x, y, 0.0)
-                ts, cs = time.perf_counter(), time.process_time()
-                reference.train_step(x, y, 0.0)
-                reference_times.append((i, time.perf_counter() - ts))
-                reference_cpu.append((i, time.process_time() - cs))
+                    wall.append(time.perf_counter() - ts)
+                    cpu.append(time.process_time() - cs)
+                reference_times.append((i, min(wall)))
+                reference_cpu.append((i, min(cpu)))
                 reference_s += time.perf_counter() - t_ref
             if not math.isfinite(loss):
                 bar.close()

@@ -150,3 +150,28 @@ def test_reference_steps_are_counted_over_the_period():
     many = period_reference_positions(100, 2, 0.2, 1.0)
     assert [len(p) for p in many] == [10, 10]  # 0.2 * 200 steps / 2 full steps each
     assert all(0 <= i < 100 for p in many for i in p)
+
+
+def test_recheck_after_a_slowdown_chooses_spinning_off_in_a_run_too_short_to_probe(
+    tmp_path, default_profile, default_model, monkeypatch
+):
+    """A re-check is called because the full step moved: slower means other work started
+    (the 1-minute load average lags it), so a run too short to probe turns spinning off rather
+    than taking the quiet-machine choice; the next period's step is then the base to watch."""
+    from etgraph import loop
+
+    prof, _ = default_profile
+    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # the load reads quiet
+    cfg = TrainConfig(epochs=2, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
+    run = loop._Run(default_model, prof, cfg, tmp_path, artifacts_root=None, progress=False)
+    assert run.choose_ort_config() and run.ort.label == loop.QUIET_CANDIDATE
+    record = {"reference_step_us": 1e3}
+    assert not run.recheck_ort_config([record]) and run._ort_base_ms == 1.0  # the base
+    assert not run.recheck_ort_config([{"reference_step_us": 1.2e3}])  # within the factor
+    assert run.recheck_ort_config([{"reference_step_us": 2e3}])  # 2x slower: changed
+    assert run.ort.label == "off" and "2.0x slower" in run.ort.note
+    assert run._ort_base_ms is None  # measured again in the new options
+    assert not run.recheck_ort_config([{"reference_step_us": 1.5e3}])
+    assert run._ort_base_ms == 1.5
+    assert run.recheck_ort_config([{"reference_step_us": 0.5e3}])  # 3x faster: quiet again
+    assert run.ort.label == loop.QUIET_CANDIDATE
