@@ -106,6 +106,58 @@ def run(model, prof, rho, epochs, closed, out, steps, budget, hog=None):
     return result, read_log(out)
 
 
+def report(results: list[dict], hog: bool) -> None:
+    """Print the per-period tables and the summary of ``results`` (as saved by ``--json``)."""
+    # Against the requested rho (the target) and against the rho the DP's (fitted) time model
+    # predicted for the selection it made: the model's own error. They differ where no
+    # selection fills the budget (coarse models: the DP's budget is an upper bound).
+    tables = (
+        ("wall", "rho_measured", "rho"),
+        ("CPU time", "rho_measured_cpu", "rho"),
+        ("wall", "rho_measured", "rho_predicted"),
+    )
+    r0 = results[0]
+    epochs = max(len(r["records"]) for r in results)
+    for clock, key, over in tables:
+        print(
+            f"{key} / {over} per period ({clock}); {r0['model']} "
+            f"{r0['input_shape']}, 1 epoch per period, reference budget {r0['reference_budget']}"
+        )
+        print(f"{'rho':>5} {'loop':<7}" + "".join(f"{'p' + str(e):>8}" for e in range(epochs)))
+        for r in results:
+            ratios = [rec[key] / (r["rho"] if over == "rho" else rec[over]) for rec in r["records"]]
+            marks = "".join(
+                f"{x:>7.3f}{'*' if r['hog_epoch'] and i + 1 >= r['hog_epoch'] else ' '}"
+                for i, x in enumerate(ratios)
+            )
+            print(f"{r['rho']:>5.2f} {r['loop']:<7}{marks}")
+    if hog:
+        print("* = CPU hog running")
+    print(
+        f"{'rho':>5} {'loop':<7}{'achieved':>9}{'cpu':>7}{'max|err| p1+ wall':>19}{'cpu':>7}"
+        f"{'vs pred':>9}{'speedup':>9}{'ref %':>7}{'fit ms':>8}{'sel':>5}  spinning  load average"
+    )
+    for r in results:
+        s = r["summary"]
+        later = r["records"][1:]
+        errs = {
+            k: 100 * max(abs(rec[k] / r["rho"] - 1) for rec in later)
+            for k in ("rho_measured", "rho_measured_cpu")
+        }
+        errs["predicted"] = 100 * max(
+            abs(rec["rho_measured"] / rec["rho_predicted"] - 1) for rec in later
+        )
+        fit_ms = 1e3 * sum(rec["fit_s"] for rec in r["records"])
+        distinct = len({tuple(rec["selection"]) for rec in r["records"]})
+        print(
+            f"{r['rho']:>5.2f} {r['loop']:<7}{s['rho_achieved']:>9.3f}{s['rho_achieved_cpu']:>7.3f}"
+            f"{errs['rho_measured']:>18.1f}%{errs['rho_measured_cpu']:>6.1f}%"
+            f"{errs['predicted']:>8.1f}%"
+            f"{s['speedup']:>8.2f}x{s['reference_overhead_pct']:>6.2f}%{fit_ms:>8.2f}"
+            f"{distinct:>5}  {s['ort_config']:<8}  {r['load_average'][0]} -> {r['load_average'][1]}"
+        )
+
+
 @click.command()
 @click.option("--rho", "rhos", multiple=True, type=float, default=[0.5], show_default=True)
 @click.option("--epochs", default=6, show_default=True)
@@ -117,10 +169,25 @@ def run(model, prof, rho, epochs, closed, out, steps, budget, hog=None):
 @click.option("--model", "model_path", default=None, help="ONNX classifier of 5 classes.")
 @click.option("--input-shape", default=None, help="CxHxW [the model's].")
 @click.option("--json", "json_path", default=None)
+@click.option("--report", "report_path", default=None, help="Only print the tables of a --json.")
 def main(
-    rhos, epochs, steps, hog, hog_epoch, hog_procs, budget, model_path, input_shape, json_path
+    rhos,
+    epochs,
+    steps,
+    hog,
+    hog_epoch,
+    hog_procs,
+    budget,
+    model_path,
+    input_shape,
+    json_path,
+    report_path,
 ):
     logging.basicConfig(level=logging.WARNING)
+    if report_path:
+        results = json.loads(Path(report_path).read_text())
+        report(results, any(r["hog_epoch"] for r in results))
+        return
     model = LoadedModel.load(model_path or DEFAULT_MODEL_PATH)
     shape = tuple(*model.input_shapes(input_shape or None).values())
     prof = profile_model(model, batch_size=4, input_shapes=shape, cache_dir=default_cache_dir())
@@ -140,6 +207,9 @@ def main(
                 )
                 results.append(
                     {
+                        "model": model.source.name,
+                        "input_shape": "x".join(map(str, shape)),
+                        "reference_budget": budget,
                         "rho": rho,
                         "loop": label,
                         "hog_epoch": hog_epoch if hog_args else None,
@@ -149,40 +219,7 @@ def main(
                         "records": records,
                     }
                 )
-    for clock, key in (("wall", "rho_measured"), ("CPU time", "rho_measured_cpu")):
-        print(
-            f"{key} / rho per period ({clock}); {model.source.name} {'x'.join(map(str, shape))}, "
-            "1 epoch per period, "
-            f"reference budget {budget}"
-        )
-        print(f"{'rho':>5} {'loop':<7}" + "".join(f"{'p' + str(e):>8}" for e in range(epochs)))
-        for r in results:
-            ratios = [rec[key] / r["rho"] for rec in r["records"]]
-            marks = "".join(
-                f"{x:>7.3f}{'*' if r['hog_epoch'] and i + 1 >= r['hog_epoch'] else ' '}"
-                for i, x in enumerate(ratios)
-            )
-            print(f"{r['rho']:>5.2f} {r['loop']:<7}{marks}")
-    if hog:
-        print("* = CPU hog running")
-    print(
-        f"{'rho':>5} {'loop':<7}{'achieved':>9}{'cpu':>7}{'max|err| p1+ wall':>19}{'cpu':>7}"
-        f"{'speedup':>9}{'ref %':>7}{'fit ms':>8}{'sel':>5}  spinning  load average"
-    )
-    for r in results:
-        s = r["summary"]
-        errs = {
-            k: 100 * max(abs(rec[k] / r["rho"] - 1) for rec in r["records"][1:])
-            for k in ("rho_measured", "rho_measured_cpu")
-        }
-        fit_ms = 1e3 * sum(rec["fit_s"] for rec in r["records"])
-        distinct = len({tuple(rec["selection"]) for rec in r["records"]})
-        print(
-            f"{r['rho']:>5.2f} {r['loop']:<7}{s['rho_achieved']:>9.3f}{s['rho_achieved_cpu']:>7.3f}"
-            f"{errs['rho_measured']:>18.1f}%{errs['rho_measured_cpu']:>6.1f}%"
-            f"{s['speedup']:>8.2f}x{s['reference_overhead_pct']:>6.2f}%{fit_ms:>8.2f}"
-            f"{distinct:>5}  {s['ort_config']:<8}  {r['load_average'][0]} -> {r['load_average'][1]}"
-        )
+    report(results, hog)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1, default=str))
 
