@@ -3,7 +3,7 @@
 Per round (``--rounds``, round robin so load changes hit all rows alike), for the full
 artifacts and for a selective one (strategy ``prefix`` at ``--rho``: the longest suffix of the
 tensors that fits ``rho * T_full``, a selection that does not depend on importance, so the loop
-trains exactly the artifacts the bare loop steps):
+trains exactly the artifacts the bare loop steps, in the run's batch-norm mode, checked):
 
 * ``etgraph loop`` — :func:`etgraph.loop.train` itself, one epoch of ``--steps`` steps on the
   embedded digits task (open loop), with its session options chosen by the run's own probe
@@ -105,9 +105,12 @@ def main(rounds, steps, rho, json_path):
     shape = tuple(*model.input_shapes().values())
     prof = profile_model(model, batch_size=4, cache_dir=default_cache_dir())
     n = len(model.tensors)
+    frozen_bn = TrainConfig().frozen_bn  # the run's mode: its time model and its artifacts
     masks = {
         "full": np.ones(n, bool),
-        "selective": select_for_rho(prof, rho, None, strategy="prefix").mask,
+        "selective": select_for_rho(
+            prof.for_frozen_bn(frozen_bn), rho, None, strategy="prefix"
+        ).mask,
     }
     data = load_dataset(None, input_shape=shape, num_classes=model.num_classes, seed=0)
     batches = list(data.train_batches(4, seed=0))[:steps]
@@ -117,7 +120,10 @@ def main(rounds, steps, rho, json_path):
     probe_s: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="etgraph-loopvsort-") as work:
         cache = ArtifactCache(Path(work) / "artifacts")
-        dirs = {k: cache.get(model.proto, *model.split(m))[0].directory for k, m in masks.items()}
+        dirs = {
+            k: cache.get(model.proto, *model.split(m), frozen_bn=frozen_bn)[0].directory
+            for k, m in masks.items()
+        }
         for r in range(rounds):
             for kind in masks:
                 strategy = "full" if kind == "full" else "prefix"
@@ -136,6 +142,8 @@ def main(rounds, steps, rho, json_path):
                     model, prof, cfg, out, artifacts_root=Path(work) / "artifacts", progress=False
                 )
                 rec = read_log(out)[0]
+                if rec["selection"] != np.flatnonzero(masks[kind]).tolist():
+                    raise SystemExit(f"the loop trained {rec['selection']}, not the {kind} mask")
                 loop_s = (rec["wall_time_s"] - rec["reselection_s"] - rec["reference_s"]) - rec[
                     "ort_probe_s"
                 ]
