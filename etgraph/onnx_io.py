@@ -35,6 +35,7 @@ from passes.onnx import (
     MAX_IR_VERSION,
     OUTPUTS_KEY,
     SOURCE_KEY,
+    FreeBatchDimPass,
     RestoreHeadPass,
     legalization_pipeline,
 )
@@ -44,6 +45,7 @@ from .files import atomic_target
 from .ops import FLOAT_TYPES
 
 __all__ = [
+    "free_batch_dim",
     "export_with_original_outputs",
     "legalize",
     "load_model",
@@ -157,6 +159,16 @@ def restore_head(path: str | os.PathLike, spec: str) -> None:
     output meaning."""
     model = ir.load(path)
     run_passes(RestoreHeadPass(spec), model)
+    with atomic_target(path) as tmp:
+        ir.save(model, tmp)
+
+
+def free_batch_dim(path: str | os.PathLike) -> None:
+    """Give the inference model at ``path``, exported from artifacts of a fixed batch size, its
+    symbolic batch dimension back (:class:`passes.onnx.FreeBatchDimPass`, constants untouched),
+    in place and atomically: it then runs at any batch size, as the model it was trained from."""
+    model = ir.load(path)
+    run_passes(FreeBatchDimPass(reshapes=False), model)
     with atomic_target(path) as tmp:
         ir.save(model, tmp)
 

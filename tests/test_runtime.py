@@ -14,6 +14,8 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 
 from etgraph import rundir
@@ -409,6 +411,15 @@ def test_elastic_run_outputs_export_and_determinism(tmp_path, default_profile, d
     assert acc == pytest.approx(records[-1]["val_acc"], abs=1e-9)
     assert loss == pytest.approx(records[-1]["val_loss"], rel=1e-4)
     assert result.inference_val_acc == pytest.approx(records[-1]["val_acc"], abs=1e-9)
+    # trained at the run's fixed batch size, exported with a symbolic one: any batch runs, and
+    # each example's output does not depend on the batch it is in (batch norms in inference)
+    exported = onnx.load(str(out / "model_trained.onnx"))
+    assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    session = ort.InferenceSession(str(out / "model_trained.onnx"))
+    x = np.concatenate([b[0] for b in batches])[:7]
+    one_batch = session.run(None, {"input": x})[0]
+    assert one_batch.shape[0] == 7
+    np.testing.assert_allclose(one_batch[:1], session.run(None, {"input": x[:1]})[0], rtol=1e-4)
     # determinism: the same seed and data give the same selections and losses (open loop: the
     # closed loop selects from measured times)
     train(default_model, prof, config, tmp_path / "again", progress=False)

@@ -33,7 +33,17 @@ def _fixed_batch(value: ir.Value) -> bool:
 
 class FreeBatchDimPass(InPlacePass):
     """Make a fixed batch dimension of the data input and the outputs symbolic (`batch`) and
-    drop the intermediate shapes recorded at the old batch size."""
+    drop the intermediate shapes recorded at the old batch size.
+
+    Args:
+        reshapes: also give data-path Reshapes whose constant shape starts with the old batch
+            size a leading 0 (a zoo model's own constants). False for a model etgraph fixed
+            the batch of itself (its constants never held it).
+    """
+
+    def __init__(self, reshapes: bool = True):
+        super().__init__()
+        self.reshapes = reshapes
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
@@ -43,7 +53,7 @@ class FreeBatchDimPass(InPlacePass):
         batch = fixed[0].shape[0]
         for value in fixed:
             value.shape = ir.Shape([BATCH_DIM, *list(value.shape)[1:]])
-        reshapes = _free_reshapes(graph, batch)
+        reshapes = _free_reshapes(graph, batch) if self.reshapes else 0
         outputs = {id(v) for v in graph.outputs}
         for node in graph:
             for value in node.outputs:
