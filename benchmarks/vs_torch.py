@@ -193,8 +193,12 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
     rows = []
     for label, mask in selections.items():
         selected, frozen = model.split(mask)
-        paths, _ = cache.get(
-            model.proto, selected, frozen, loss=model.task.loss, frozen_bn=opts["frozen_bn"]
+        paths, _ = cache.get(  # at the batch size, as etgraph.loop trains (static shapes)
+            model.with_batch(batch, {model.input_names[0]: (3, size, size)}),
+            selected,
+            frozen,
+            loss=model.task.loss,
+            frozen_bn=opts["frozen_bn"],
         )
         sessions = {
             side: TrainingSession(
