@@ -389,9 +389,12 @@ PROBE_MAX_LOAD_PER_CORE = 1.0
 REPROBE_FACTOR = 1.5
 
 #: Seconds the end of a run takes besides scoring the exported model (export, plots, summary,
-#: the interpreter's exit with ORT and torch loaded: 2-3 s measured on 2 loaded cores): what
-#: deadline mode keeps free at the end.
-FINISH_S = 2.5
+#: the interpreter's exit with ORT and torch loaded) at the profile's speed, which deadline mode
+#: keeps free at the end, times the machine's slowdown since (the full step measured now over
+#: the profile's, at least 1). Measured on the default model: 0.4 s to the summary (plots 0.35
+#: s) and 0.15-0.3 s of exit on a quiet machine; 2-4 s of exit alone at load 7-11, where steps
+#: ran 3-5x slower than profiled. A fixed 2.5 s (until session 7) ended quiet runs 12-34% early.
+FINISH_S = 0.6
 
 #: Copies of the checkpoint file ORT 1.19.2's ``CheckpointState.save_checkpoint`` holds at its
 #: peak beside the live session (it builds the whole file in memory): 1.62x and 1.93x measured
@@ -739,7 +742,8 @@ class _Run:
         """The rho of the period starting at ``epoch`` (0-based) that ends the run at the deadline.
 
         The time left, ``deadline_s - elapsed - end`` (``end``: scoring and exporting the
-        model, estimated as one validation pass plus :data:`FINISH_S`), is spent on ``E``
+        model, estimated as one validation pass plus :data:`FINISH_S` times the slowdown), is
+        spent on ``E``
         epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last period's epochs
         (measured progress, the machine's load included): ``u`` = mean step / the rho it was
         asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside its steps
@@ -765,19 +769,26 @@ class _Run:
                     ]
                 )
             )
-            end = last[-1]["val_s"] + FINISH_S
+            full_us = last[-1].get("reference_step_us", float("nan"))  # measured alike
+            end = last[-1]["val_s"] + FINISH_S * self._slowdown(full_us * 1e-6)
         else:  # nothing trained yet: full steps now, and validation at a third of one per batch
             u = self._full_step_now_s()
             val_batches = math.ceil(self.dataset.n_val / cfg.batch_size)
             if cfg.max_val_batches is not None:
                 val_batches = min(val_batches, cfg.max_val_batches)
             fixed = val_batches * u / 3
-            end = fixed + FINISH_S
+            end = fixed + FINISH_S * self._slowdown(u)
         steps = epochs_left * self.steps_per_epoch
         rho = (left_s - end - epochs_left * fixed) / (steps * u) if u > 0 else 1.0
         chosen = float(min(1.0, max(rho, self.floor_rho * 1.02)))
         log.info("deadline: %.1f s left for %d epochs -> rho %.3f", left_s, epochs_left, chosen)
         return chosen
+
+    def _slowdown(self, full_step_s: float) -> float:
+        """How much slower than profiled the machine runs: a full step measured now (s) over
+        the profile's, at least 1 (1 when not measured)."""
+        ratio = full_step_s / (self.profile.measured_full_step_us * 1e-6)
+        return max(1.0, ratio) if math.isfinite(ratio) else 1.0
 
     def _full_step_now_s(self, steps: int = 3) -> float:
         """Median wall time (s) of ``steps`` full steps of the (warm) reference session on a

@@ -423,6 +423,10 @@ def summarize(
     for r in records:
         rss[r["period"]] = max(rss.get(r["period"], 0.0), r["peak_rss_mb"])
     last = records[-1] if records else {}
+    # the epoch that chose the options trained last: probed (step times) or not (the reason)
+    chose = next(
+        (r for r in reversed(records) if r.get("ort_note") or r.get("ort_probe_step_ms")), {}
+    )
     return TrainResult(
         out_dir=str(out),
         strategy=strategy,
@@ -454,10 +458,8 @@ def summarize(
         trained_model=str(trained_model),
         ort_config=str(last.get("ort_config", "off")),
         ort_probe_s=float(sum(r.get("ort_probe_s", 0.0) for r in records)),
-        ort_probe_step_ms=next(
-            (r["ort_probe_step_ms"] for r in records if r.get("ort_probe_step_ms")), None
-        ),
-        ort_note=next((r["ort_note"] for r in records if r.get("ort_note")), ""),
+        ort_probe_step_ms=chose.get("ort_probe_step_ms"),
+        ort_note=chose.get("ort_note", ""),
     )
 
 

@@ -292,11 +292,12 @@ def test_summary_of_records(tmp_path):
 
     # the machine slows down in epoch 2: both steps measured alike slow down with it; epoch 4's
     # one reference step was delayed by a burst of load (10x): medians over epochs ignore it
+    # options chosen twice: the summary names the last choice and its reason
     records = [
-        record(1, 0, 200_000.0),
-        record(2, 0, 300_000.0),
-        record(3, 1, float("nan")),
-        record(4, 1, 2_000_000.0),
+        record(1, 0, 200_000.0, ort_config="on+stop", ort_note="quiet"),
+        record(2, 0, 300_000.0, ort_config="on+stop", ort_note=""),
+        record(3, 1, float("nan"), ort_config="off", ort_note="2.0x slower"),
+        record(4, 1, 2_000_000.0, ort_config="off", ort_note=""),
     ]
     records[1]["median_step_us"] = 150_000.0
     profile = SimpleNamespace(measured_full_step_us=1.0, t_full_us=160_000.0)
@@ -319,6 +320,7 @@ def test_summary_of_records(tmp_path):
     assert result.reference_overhead_pct == pytest.approx(100 * 0.08 / 8.0)
     assert result.first_selection_s == 1.0 and result.reselection_overhead_pct == 25.0
     assert (result.peak_rss_mb_first_period, result.peak_rss_mb_last_period) == (102.0, 104.0)
+    assert (result.ort_config, result.ort_note) == ("off", "2.0x slower")
     rundir.write_summary(tmp_path, result)
     assert json.loads((tmp_path / "summary.json").read_text())["epochs"] == 4
     text = rundir.format_summary(result)
