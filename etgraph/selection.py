@@ -424,15 +424,20 @@ def _memory_units(memory: MemoryCosts) -> tuple[np.ndarray, np.ndarray, int]:
     net = memory.budget_mb - memory.base_mb
     if memory.floor_mb > memory.budget_mb or net < 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), -1
-    budget_units = math.floor(net / unit + 1e-9)
+    tensor_units = np.rint(memory.tensor_mb / unit)
+    earliest_units = np.rint(memory.earliest_mb / unit)
+    # Beyond what the costliest selection needs the budget binds nothing, and the table's
+    # memory axis would only grow (--memory-mb 100000 on ResNet50 asked for an 80 GiB table).
+    most = int(tensor_units.sum() + (earliest_units.max() if earliest_units.size else 0))
+    budget_units = min(math.floor(net / unit + 1e-9), most)
     if budget_units > MAX_TABLE_UNITS:
         raise ConfigError(
             f"memory budget of {budget_units} units is too large for the DP table; "
             "pass a coarser memory resolution"
         )
     clip = budget_units + 1  # a cost above the budget never fits: keep int64 sums exact
-    tensor_units = np.minimum(np.rint(memory.tensor_mb / unit), clip).astype(np.int64)
-    earliest_units = np.minimum(np.rint(memory.earliest_mb / unit), clip).astype(np.int64)
+    tensor_units = np.minimum(tensor_units, clip).astype(np.int64)
+    earliest_units = np.minimum(earliest_units, clip).astype(np.int64)
     return tensor_units, earliest_units, budget_units
 
 

@@ -117,3 +117,23 @@ def test_memory_budget_changes_the_selection_and_names_the_minimum():
     with pytest.raises(InfeasibleMemoryError, match=r"--memory-mb 32 or more"):
         select_tensors(t_dw, t_dy, imp, 10.0, memory=floor)
     assert math.isnan(err.value.min_rho)
+
+
+def test_a_memory_budget_beyond_every_selection_binds_nothing_and_costs_no_table(monkeypatch):
+    """A budget above the costliest selection's peak is the time-only problem; the DP table's
+    memory axis stops at what a selection can need (--memory-mb 100000 on ResNet50 once asked
+    for an 80 GiB table)."""
+    from etgraph import selection
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        t_dw, t_dy, imp, budget, memory = _instance(rng, 6)
+        huge = MemoryCosts(memory.tensor_mb, memory.earliest_mb, 1e7, base_mb=memory.base_mb)
+        try:
+            expected = select_tensors(t_dw, t_dy, imp, budget).mask
+        except InfeasibleBudgetError:
+            continue
+        monkeypatch.setattr(selection, "MAX_TABLE_UNITS", 1000)  # 1e7 units would not pass
+        got = select_tensors(t_dw, t_dy, imp, budget, memory=huge).mask
+        monkeypatch.undo()
+        assert imp[got].sum() == pytest.approx(imp[expected].sum())
