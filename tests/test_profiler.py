@@ -729,3 +729,20 @@ def test_fast_profile_uses_the_callers_full_artifacts(tiny_cnn_model, tmp_path, 
     assert calls == [] and builds == []
     assert prof.level == "fast" and prof.tensors == model.names
     assert sorted(p.name for p in cache.root.iterdir()) == [full.directory.name]
+
+
+def test_a_profile_measured_while_other_work_filled_the_cores_says_so(
+    default_model, monkeypatch, caplog
+):
+    """The load average at the end of profiling is recorded, and when other work alone filled
+    the cores (the profiler's own threads taken off) the user is told to profile again."""
+    from etgraph import profiler
+
+    monkeypatch.setattr(profiler, "_load_average", lambda: 0.5)
+    with caplog.at_level("WARNING", logger="etgraph.profiler"):
+        quiet = profile_model(default_model, batch_size=4, threads=1)
+    assert quiet.load_average == 0.5 and "profile again" not in caplog.text
+    monkeypatch.setattr(profiler, "_load_average", lambda: 40.0)
+    with caplog.at_level("WARNING", logger="etgraph.profiler"):
+        busy = profile_model(default_model, batch_size=4, threads=1)
+    assert busy.load_average == 40.0 and "profiled at load average 40.0" in caplog.text
