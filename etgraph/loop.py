@@ -743,8 +743,7 @@ class _Run:
 
         The time left, ``deadline_s - elapsed - end`` (``end``: scoring and exporting the
         model, estimated as one validation pass plus :data:`FINISH_S` times the slowdown), is
-        spent on ``E``
-        epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last period's epochs
+        spent on ``E`` epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last period's epochs
         (measured progress, the machine's load included): ``u`` = mean step / the rho it was
         asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside its steps
         (re-selection, reference steps, validation; not the one-off choice of session
