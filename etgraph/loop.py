@@ -743,11 +743,11 @@ class _Run:
 
         The time left, ``deadline_s - elapsed - end`` (``end``: scoring and exporting the
         model, estimated as one validation pass plus :data:`FINISH_S` times the slowdown), is
-        spent on ``E`` epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last period's epochs
-        (measured progress, the machine's load included): ``u`` = mean step / the rho it was
-        asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside its steps
-        (re-selection, reference steps, validation; not the one-off choice of session
-        options). Before any epoch: ``u`` = the profile's full step measured now
+        spent on ``E`` epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last
+        period's epochs (measured progress, the machine's load included): ``u`` = mean step /
+        the rho it was asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside
+        its steps (re-selection, reference steps, validation; not the one-off choice of
+        session options). Before any epoch: ``u`` = the profile's full step measured now
         (:meth:`_full_step_now_s`), ``fixed`` = a validation pass at a third of a full step
         per batch. Clamped to [the cheapest selection's rho, 1].
         """
@@ -865,7 +865,7 @@ class _Run:
         cores = len(os.sched_getaffinity(0))
         load = os.getloadavg()[0]
         if self.ort.config.spinning:  # the run's own spinning pool threads count as load
-            load -= (self.threads or cores) - 1
+            load = max(0.0, load - ((self.threads or cores) - 1))
         if cfg.memory_mb is not None:
             note = "not probed under --memory-mb"
         elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
