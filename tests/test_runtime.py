@@ -415,6 +415,11 @@ def test_elastic_run_outputs_export_and_determinism(tmp_path, default_profile, d
     assert result.inference_val_acc == pytest.approx(records[-1]["val_acc"], abs=1e-9)
     # trained at the run's fixed batch size, exported with a symbolic one: any batch runs, and
     # each example's output does not depend on the batch it is in (batch norms in inference)
+    graph_files = list((out / "artifacts").glob("*/training_model.onnx"))
+    assert graph_files
+    for graph_file in graph_files:
+        data_input = onnx.load(str(graph_file), load_external_data=False).graph.input[0]
+        assert data_input.type.tensor_type.shape.dim[0].dim_value == 4  # static, as profiled
     exported = onnx.load(str(out / "model_trained.onnx"))
     assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
     session = ort.InferenceSession(str(out / "model_trained.onnx"))
