@@ -175,3 +175,9 @@ def test_recheck_after_a_slowdown_chooses_spinning_off_in_a_run_too_short_to_pro
     assert run._ort_base_ms == 1.5
     assert run.recheck_ort_config([{"reference_step_us": 0.5e3}])  # 3x faster: quiet again
     assert run.ort.label == loop.QUIET_CANDIDATE
+    # spinning on: elastic steps 2.3x slower than predicted call a re-check even when the one
+    # reference step moved less than the factor
+    assert not run.recheck_ort_config([{"reference_step_us": 0.5e3}])  # the new base
+    slow = {"reference_step_us": 0.6e3, "median_step_us": 2.3e3, "predicted_measured_step_us": 1e3}
+    assert run.recheck_ort_config([slow]) and run.ort.label == "off"
+    assert "2.3x slower" in run.ort.note
