@@ -181,3 +181,31 @@ def test_recheck_after_a_slowdown_chooses_spinning_off_in_a_run_too_short_to_pro
     slow = {"reference_step_us": 0.6e3, "median_step_us": 2.3e3, "predicted_measured_step_us": 1e3}
     assert run.recheck_ort_config([slow]) and run.ort.label == "off"
     assert "2.3x slower" in run.ort.note
+
+
+def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(tmp_path, default_profile, default_model):
+    """After a re-check turned spinning off, the closed loop fits process CPU time, and the
+    epochs trained with spinning on (their CPU time counts the spinning) are left out."""
+    from etgraph import loop
+    from etgraph.sessions import ConfigChoice
+
+    prof, _ = default_profile
+    cfg = TrainConfig(epochs=3, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
+    run = loop._Run(default_model, prof, cfg, tmp_path, artifacts_root=None, progress=False)
+
+    def epoch(label, spin):
+        return {
+            "reference_steps": 1,
+            "ort_config": label,
+            "predicted_step_us": 0.5 * prof.t_full_us,
+            "median_step_us": 0.5 * prof.t_full_us,
+            "reference_step_us": prof.t_full_us,
+            "median_step_cpu_us": spin * 0.5 * prof.t_full_us,
+            "reference_step_cpu_us": prof.t_full_us,  # the spin inflates the elastic side here
+        }
+
+    records = [epoch("on+stop", 1.8), epoch("on+stop", 1.8), epoch("off", 1.0)]
+    run.ort = ConfigChoice.given("off")
+    assert run.fit_time_model(records).observations == 1
+    run.ort = ConfigChoice.given("on+stop")  # wall clock: every epoch counts
+    assert run.fit_time_model(records).observations == 3
