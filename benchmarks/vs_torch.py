@@ -188,17 +188,16 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
     x_np = rng.standard_normal((batch, 3, size, size), dtype=np.float32)
     y_np = rng.integers(0, NUM_CLASSES, size=batch).astype(np.int64)
     x_t, y_t = torch.from_numpy(x_np.copy()), torch.from_numpy(y_np.copy())
-    cache = ArtifactCache(work / f"{name}-{size}" / "artifacts")
+    cache = ArtifactCache(  # at the batch size, as etgraph.loop trains (static shapes)
+        work / f"{name}-{size}" / "artifacts",
+        static_batch=(batch, {model.input_names[0]: (3, size, size)}),
+    )
 
     rows = []
     for label, mask in selections.items():
         selected, frozen = model.split(mask)
-        paths, _ = cache.get(  # at the batch size, as etgraph.loop trains (static shapes)
-            model.with_batch(batch, {model.input_names[0]: (3, size, size)}),
-            selected,
-            frozen,
-            loss=model.task.loss,
-            frozen_bn=opts["frozen_bn"],
+        paths, _ = cache.get(
+            model.proto, selected, frozen, loss=model.task.loss, frozen_bn=opts["frozen_bn"]
         )
         sessions = {
             side: TrainingSession(

@@ -555,13 +555,6 @@ class _Run:
             params = model.names + list(model.running_stats)
             self.model = dataclasses.replace(model, proto=placeholder_weights(model.proto, params))
         self.input_shapes = model.input_shapes(profile.input_shapes)
-        # Sessions train at the run's one batch shape (training batches are full, validation
-        # pads): static shapes let ORT fold the shape arithmetic, as in the profile's graphs
-        # (ViT-B/16 at 128 px, full step 511 vs 697 ms with a symbolic batch; MobileNetV2 the
-        # same). The exported model gets its symbolic batch back (_finish).
-        self.model = dataclasses.replace(
-            self.model, proto=self.model.with_batch(config.batch_size, self.input_shapes)
-        )
         self.tensors = list(model.tensors)
         self.names = model.names
         profile.check_matches(
@@ -595,7 +588,14 @@ class _Run:
             steps = min(steps, config.max_steps_per_epoch)
         self.steps_per_epoch = steps
         self.total_steps = steps * config.epochs
-        self.cache = ArtifactCache(artifacts_root or out_dir / ARTIFACTS_DIR)
+        # Sessions train at the run's one batch shape (training batches are full, validation
+        # pads), as the profile measured: static shapes let ORT fold the shape arithmetic
+        # (ViT-B/16 at 128 px: full step 511 vs 697 ms with a symbolic batch; MobileNetV2 the
+        # same). The exported model gets its symbolic batch back (_finish).
+        self.cache = ArtifactCache(
+            artifacts_root or out_dir / ARTIFACTS_DIR,
+            static_batch=(config.batch_size, self.input_shapes),
+        )
         self._evaluator = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self.fit = StepTimeFit()
@@ -1360,7 +1360,7 @@ class _Run:
             if session is None:  # resumed after the last checkpoint: rebuild from it
                 session = self._session_from_checkpoint()
             session.export_inference_model(trained, [self.model.output_name])
-        free_batch_dim(trained)  # the artifacts' batch size was fixed (__init__)
+        free_batch_dim(trained)  # the artifacts' batch size was fixed (self.cache)
         _memory_log("export")
         if self.model.head is not None:  # the original model's output meaning, restored
             restore_head(trained, self.model.head)

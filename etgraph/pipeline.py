@@ -237,13 +237,14 @@ def compile_model(
     predicted = prof.predicted_step_us(chosen.mask)
     memory_parts = mem_prof.parts_mb(chosen.mask) if mem_prof is not None else None
     trainable, frozen = model.split(chosen.mask)
-    artifacts.generate(  # at the plan's batch size: static shapes, as the profile measured
-        model.with_batch(batch_size, shapes),
+    artifacts.generate(
+        model.proto,
         trainable,
         frozen,
         out / ARTIFACTS_DIR,
         loss=model.task.loss,
         frozen_bn=frozen_bn,
+        static_batch=(batch_size, shapes),  # as the profile measured: static shapes
     )
 
     rows = [
