@@ -423,11 +423,10 @@ def bake_frozen(
     for name, model in (("training_model.onnx", training), ("eval_model.onnx", None)):
         model = model if model is not None else ir.load(directory / name)
         run_passes(BakeFrozenParamsPass(weights, frozen), model)
-        # The training graph's weights go raw beside it (through protobuf it costs seconds on
-        # ResNet50); the eval graph's stay inside it: ORT's export_model_for_inferencing copies
-        # external-data references, which would point next to the exported model.
-        external = f"{name}.data" if name == "training_model.onnx" else None
-        ir.save(model, out_dir / name, external_data=external)
+        # The constants go raw beside the graphs (through protobuf: seconds on ResNet50; ViT-B/16
+        # half frozen, the eval graph 0.59 vs 1.6 s). The trained model is exported from the
+        # generated eval graph and a checkpoint (etgraph.loop), never from these.
+        ir.save(model, out_dir / name, external_data=f"{name}.data")
     target = out_dir / "optimizer_model.onnx"
     target.unlink(missing_ok=True)
     try:

@@ -1047,11 +1047,11 @@ class _Run:
             _memory_log(f"saving the checkpoint ({_file_mb(self.out / CHECKPOINT_FILE):.0f} MiB)")
             log.debug("checkpoint after epoch %d: %.3f s", period_end, time.perf_counter() - t0)
             period_start = period_end
-        if self.bounded:  # _finish exports from the checkpoint without a session
-            session = None
+        session = None  # _finish exports from the checkpoint without a session
+        if self.bounded:
             gc.collect()
             release_native_memory()
-        return self._finish(session, records)
+        return self._finish(records)
 
     def _reselect(
         self,
@@ -1338,35 +1338,30 @@ class _Run:
         )
         session.save(self.out / CHECKPOINT_FILE, properties)
 
-    def _finish(self, session: TrainingSession | None, records: list[dict]) -> TrainResult:
-        """Export the trained model, score it, plot, summarise; remove the session directory."""
+    def _finish(self, records: list[dict]) -> TrainResult:
+        """Export the trained model, score it, plot, summarise; remove the session directory.
+
+        The export streams the last selection's eval graph (as generated, frozen parameters
+        not baked) with the weights of the run's last checkpoint, saved at the end of the last
+        period (:func:`etgraph.artifacts.export_inference_model`: no session, the weights held
+        once), so sessions may keep their baked graphs' constants outside the graph files."""
         cfg = self.config
         trained = self.out / TRAINED_MODEL_FILE
-        stamped = False
-        if self.bounded:  # no session: the eval graph and the checkpoint's weights, streamed
-            ckpt = self.out / CHECKPOINT_FILE
-            _, requires_grad, _ = read_checkpoint(ckpt, copy=False, moments=False)
-            selected = set(requires_grad)
-            paths, _, _ = self.artifacts(np.array([n in selected for n in self.names]))
-            labelled = onnx.ModelProto()
-            if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
-                set_class_names(labelled, self.dataset.class_names)
-            metadata = {p.key: p.value for p in labelled.metadata_props}
-            export_inference_model(
-                paths.eval_model, ckpt, trained, [self.model.output_name], metadata
-            )
-            stamped = True
-        else:
-            if session is None:  # resumed after the last checkpoint: rebuild from it
-                session = self._session_from_checkpoint()
-            session.export_inference_model(trained, [self.model.output_name])
+        ckpt = self.out / CHECKPOINT_FILE
+        _, requires_grad, _ = read_checkpoint(ckpt, copy=False, moments=False)
+        selected = set(requires_grad)
+        paths, _, _ = self.artifacts(np.array([n in selected for n in self.names]))
+        labelled = onnx.ModelProto()
+        if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
+            set_class_names(labelled, self.dataset.class_names)
+        metadata = {p.key: p.value for p in labelled.metadata_props}
+        export_inference_model(paths.eval_model, ckpt, trained, [self.model.output_name], metadata)
         free_batch_dim(trained)  # the artifacts' batch size was fixed (self.cache)
         _memory_log("export")
         if self.model.head is not None:  # the original model's output meaning, restored
             restore_head(trained, self.model.head)
-        self._export_original_outputs(trained)
-        if self.dataset.class_names and not stamped:
-            stamp_onnx(trained, self.dataset.class_names)
+        if self._export_original_outputs(trained) and self.dataset.class_names:
+            stamp_onnx(trained, self.dataset.class_names)  # the original's file had none
         _, inference_acc = evaluate_onnx(
             trained,
             self.val_batches(),
@@ -1394,29 +1389,26 @@ class _Run:
         write_summary(self.out, result)
         return result
 
-    def _export_original_outputs(self, trained: Path) -> None:
+    def _export_original_outputs(self, trained: Path) -> bool:
         """When ``--output`` picked one of several outputs: the exported model becomes the
         original model (all its outputs) with the trained weights, if the original file is
         still there and holds its weights as initializers; else it keeps the trained output
-        only (logged)."""
+        only (logged). Returns whether the file was rewritten from the original."""
         recorded = original_outputs(self.model.proto)
         if recorded is None:
-            return
+            return False
         names, source = recorded
         try:
-            export_with_original_outputs(trained, source)
-            log.info("exported %s with the original outputs %s", trained, names)
+            export_with_original_outputs(
+                trained, source, set(self.names) | set(self.model.running_stats)
+            )
         except ModelError as exc:
             log.warning(
                 "%s; %s has the trained output %r only", exc, trained, self.model.output_name
             )
-
-    def _session_from_checkpoint(self) -> TrainingSession:
-        """A session on the run's last checkpoint, with its selection's artifacts."""
-        _, requires_grad, _ = read_checkpoint(self.out / CHECKPOINT_FILE, copy=False, moments=False)
-        selected = set(requires_grad)
-        paths, _, _ = self.artifacts(np.array([n in selected for n in self.names]))
-        return self._session(paths.directory, self.out / CHECKPOINT_FILE)
+            return False
+        log.info("exported %s with the original outputs %s", trained, names)
+        return True
 
     def _session(self, directory: Path, checkpoint: Path) -> TrainingSession:
         """A training session of the run's model and loss on ``checkpoint``."""

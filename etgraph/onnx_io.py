@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import onnx
@@ -183,11 +184,15 @@ def original_outputs(model: onnx.ModelProto) -> tuple[list[str], str] | None:
 
 
 def export_with_original_outputs(
-    trained_path: str | os.PathLike, original_path: str | os.PathLike
+    trained_path: str | os.PathLike,
+    original_path: str | os.PathLike,
+    params: Collection[str] | None = None,
 ) -> None:
     """Rewrite the trained inference model at ``trained_path`` as the user's original model
     (``original_path``: every original input and output, its own head and opset) holding the
-    trained values, matched by initializer name; in place and atomically.
+    trained values, matched by initializer name; in place and atomically. ``params``: the
+    names of the tensors training changed (weights and running statistics); default every
+    float initializer of the trained model (its other constants may be legalisation's own).
 
     Raises:
         ModelError: the original file cannot be read, or a trained tensor is not an initializer
@@ -200,7 +205,7 @@ def export_with_original_outputs(
     trained = {  # weights and running statistics; the values of other constants are the same
         i.name: i
         for i in onnx.load(str(trained_path)).graph.initializer
-        if i.data_type in FLOAT_TYPES
+        if i.data_type in FLOAT_TYPES and (params is None or i.name in params)
     }
     inits = {i.name: i for i in original.graph.initializer}
     missing = [name for name in trained if name not in inits]

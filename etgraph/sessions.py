@@ -380,11 +380,6 @@ class TrainingSession:
         """Copies of every parameter's current value, by name."""
         return {name: p.data.copy() for name, p in self.state.parameters}
 
-    def export_inference_model(self, path: str | os.PathLike, output_names: list[str]) -> None:
-        """Write a plain inference model with the current weights to ``path`` atomically."""
-        with atomic_target(path) as tmp:
-            self.module.export_model_for_inferencing(str(tmp), output_names)
-
 
 class GradientSession:
     """A training ``Module`` (no optimizer) whose parameters are set before each use.
