@@ -131,12 +131,7 @@ from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
 from .labels import save_class_names, set_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
-from .onnx_io import (
-    export_with_original_outputs,
-    free_batch_dim,
-    original_outputs,
-    restore_head,
-)
+from .onnx_io import export_with_original_outputs, original_outputs, restore_exported
 from .plots import plot_run
 from .profile import Profile
 from .rundir import (
@@ -1356,10 +1351,9 @@ class _Run:
             set_class_names(labelled, self.dataset.class_names)
         metadata = {p.key: p.value for p in labelled.metadata_props}
         export_inference_model(paths.eval_model, ckpt, trained, [self.model.output_name], metadata)
-        free_batch_dim(trained)  # the artifacts' batch size was fixed (self.cache)
+        # the artifacts' batch size was fixed (self.cache); the original output meaning
+        restore_exported(trained, self.model.head)
         _memory_log("export")
-        if self.model.head is not None:  # the original model's output meaning, restored
-            restore_head(trained, self.model.head)
         if self._export_original_outputs(trained) and self.dataset.class_names:
             stamp_onnx(trained, self.dataset.class_names)  # the original's file had none
         _, inference_acc = evaluate_onnx(

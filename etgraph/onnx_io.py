@@ -30,6 +30,7 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes import PassManager
 
 from passes.base import run_passes
 from passes.onnx import (
@@ -46,14 +47,13 @@ from .files import atomic_target
 from .ops import FLOAT_TYPES
 
 __all__ = [
-    "free_batch_dim",
     "export_with_original_outputs",
     "legalize",
     "load_model",
     "model_hash",
     "model_structure",
     "original_outputs",
-    "restore_head",
+    "restore_exported",
 ]
 
 
@@ -153,23 +153,19 @@ def model_hash(model: onnx.ModelProto) -> str:
     return h.hexdigest()[:16]
 
 
-def restore_head(path: str | os.PathLike, spec: str) -> None:
-    """Put the head legalisation removed (``spec``: :attr:`etgraph.model.LoadedModel.head`, e.g.
-    ``"Softmax(axis=1)"`` or ``"Reshape(shape=0,-1,1,1) -> Softmax(axis=1)"``) back on the
-    inference model at ``path``, in place and atomically, so it keeps the original model's
-    output meaning."""
+def restore_exported(path: str | os.PathLike, head: str | None = None) -> None:
+    """Give the inference model exported at ``path`` (from artifacts of a fixed batch size) the
+    user's model's interface back, in one rewrite, in place and atomically: its symbolic batch
+    dimension (:class:`passes.onnx.FreeBatchDimPass`, constants untouched: it runs at any batch
+    size, as the model it was trained from) and, with ``head``
+    (:attr:`etgraph.model.LoadedModel.head`, e.g. ``"Softmax(axis=1)"`` or
+    ``"Reshape(shape=0,-1,1,1) -> Softmax(axis=1)"``), the head legalisation removed
+    (:class:`passes.onnx.RestoreHeadPass`), so it keeps the original model's output meaning."""
     model = ir.load(path)
-    run_passes(RestoreHeadPass(spec), model)
-    with atomic_target(path) as tmp:
-        ir.save(model, tmp)
-
-
-def free_batch_dim(path: str | os.PathLike) -> None:
-    """Give the inference model at ``path``, exported from artifacts of a fixed batch size, its
-    symbolic batch dimension back (:class:`passes.onnx.FreeBatchDimPass`, constants untouched),
-    in place and atomically: it then runs at any batch size, as the model it was trained from."""
-    model = ir.load(path)
-    run_passes(FreeBatchDimPass(reshapes=False), model)
+    passes = [FreeBatchDimPass(reshapes=False)]
+    if head is not None:
+        passes.append(RestoreHeadPass(head))
+    run_passes(PassManager(passes), model)
     with atomic_target(path) as tmp:
         ir.save(model, tmp)
 

@@ -20,7 +20,7 @@ from etgraph.artifacts import generate
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.graph import build_tensor_graph
 from etgraph.model import LoadedModel, input_shapes, parse_input_shapes
-from etgraph.onnx_io import legalize, load_model, model_hash, restore_head
+from etgraph.onnx_io import legalize, load_model, model_hash, restore_exported
 from etgraph.sessions import TrainingSession
 from passes.base import describe_pipeline, run_passes
 from passes.onnx import (
@@ -738,7 +738,7 @@ def test_softmax_head_is_removed_for_the_loss_and_restored_on_export(tmp_path):
     x = sample()
     logits = ort_run(legal, x)
     path = save_model(legal, tmp_path, "exported.onnx")
-    restore_head(path, "Softmax(axis=1)")
+    restore_exported(path, "Softmax(axis=1)")
     restored = onnx.load(str(path))
     assert restored.graph.node[-1].op_type == "Softmax"
     assert restored.graph.output[0].name == "prob"
@@ -773,7 +773,7 @@ def test_conv_classifier_output_is_flattened_and_restored_on_export(tmp_path, so
     x = sample()
     assert ort_run(legal, x).shape == (1, 4)
     path = save_model(legal, tmp_path, "exported.onnx")
-    restore_head(path, head)
+    restore_exported(path, head)
     restored = onnx.load(str(path))
     onnx.checker.check_model(restored, full_check=True)
     assert len({n.name for n in restored.graph.node}) == len(restored.graph.node)
