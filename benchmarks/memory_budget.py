@@ -72,7 +72,15 @@ from etgraph.selection import MemoryCosts, select_for_rho  # noqa: E402
 @click.option("--steps", default=3, show_default=True, help="Steps per epoch of each run.")
 def main(compiled, rho, budgets, json_path, runs_data, steps) -> None:
     if runs_data is not None:
-        whole_runs(Path(compiled), rho, budgets or (0.6,), Path(runs_data), steps, json_path)
+        # absolute: the runs are subprocesses started in the repository's root
+        whole_runs(
+            Path(compiled).resolve(),
+            rho,
+            budgets or (0.6,),
+            Path(runs_data).resolve(),
+            steps,
+            json_path,
+        )
         return
     d = Path(compiled)
     plan = json.loads((d / "plan.json").read_text())

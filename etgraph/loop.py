@@ -410,6 +410,11 @@ CHECKPOINT_SAVE_COPIES = 2.0
 #: budget still holds).
 MEMORY_DP_RESOLUTION = 1000
 
+#: The training loop's rho is a target within this fraction, not only a ceiling
+#: (:func:`etgraph.selection.select_for_rho` ``tolerance``; issue #16's target band): on a
+#: model of few tensors the selection nearest rho may lie just above it.
+RHO_TOLERANCE = 0.05
+
 #: Full steps before each reference step's last: the elastic steps around it have warm caches,
 #: and so would full training's. All are timed and the reference is the fastest: the first
 #: after elastic steps is ~5% slower, but one full step can also be stalled by a neighbour (a
@@ -1099,6 +1104,7 @@ class _Run:
                 importance,
                 resolution=resolution,
                 memory=memory,
+                tolerance=RHO_TOLERANCE,
             )
 
         try:

@@ -381,6 +381,60 @@ def test_select_for_rho_defaults_and_resolution():
     assert prefix.indices.tolist() == list(range(int(prefix.indices[0]), len(T_DW)))
 
 
+# A coarse model (two tensors): training the last alone runs at 0.8 of the full step, the first
+# alone at 0.867, nothing in between.
+COARSE = SimpleNamespace(
+    t_dw_us=np.array([12.0, 8.0]), t_dy_us=np.zeros(2), forward_us=40.0, t_full_us=60.0
+)
+
+
+def test_rho_tolerance_takes_the_nearer_selection_above_rho():
+    imp = np.array([2.0, 1.0])
+    strict = select_for_rho(COARSE, 0.85, imp)  # the ceiling: 48 us, 5.9% short of 51 us
+    assert strict.indices.tolist() == [1]
+    banded = select_for_rho(COARSE, 0.85, imp, tolerance=0.05)  # 52 us: 2.0% over
+    assert banded.indices.tolist() == [0]
+    assert banded.objective > strict.objective
+    # Within the band the ceiling holds: 48 us is 3.6% short of 0.83 * 60 us.
+    assert select_for_rho(COARSE, 0.83, imp, tolerance=0.05).indices.tolist() == [1]
+    # A band too narrow to reach the next selection changes nothing.
+    assert select_for_rho(COARSE, 0.85, imp, tolerance=0.01).indices.tolist() == [1]
+    for strategy in ("topk", "prefix"):
+        got = select_for_rho(COARSE, 0.85, imp, strategy=strategy, tolerance=0.05)
+        assert COARSE.forward_us + got.backward_us <= 0.85 * 1.05 * COARSE.t_full_us
+    with pytest.raises(ConfigError, match="rho tolerance must be in"):
+        select_for_rho(COARSE, 0.85, imp, tolerance=1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.integers(min_value=1, max_value=8),
+    st.floats(min_value=0.3, max_value=1.0),
+    st.floats(min_value=0.0, max_value=0.2),
+)
+def test_rho_tolerance_never_worse_than_the_ceiling(seed, n, rho, tol):
+    rng = np.random.default_rng(seed)
+    prof = SimpleNamespace(
+        t_dw_us=rng.uniform(0, 30, n).round(1),
+        t_dy_us=rng.uniform(0, 30, n).round(1),
+        forward_us=float(rng.uniform(5, 40)),
+        t_full_us=0.0,
+    )
+    prof.t_full_us = prof.forward_us + prof.t_dw_us.sum() + prof.t_dy_us.sum()
+    imp = rng.uniform(-0.2, 1.0, n)
+    try:
+        strict = select_for_rho(prof, rho, imp)
+    except InfeasibleBudgetError:
+        return
+    banded = select_for_rho(prof, rho, imp, tolerance=tol)
+    target = rho * prof.t_full_us
+    step = prof.forward_us + banded.backward_us
+    assert step <= min(1.0, rho * (1 + tol)) * prof.t_full_us + 1e-6
+    assert abs(step - target) <= abs(prof.forward_us + strict.backward_us - target) + 1e-9
+    assert banded.objective >= strict.objective - 1e-9
+
+
 def test_select_for_rho_errors():
     low = 0.9 * PROFILE.forward_us / PROFILE.t_full_us  # below the forward pass alone
     floor = min_feasible_rho(T_DW, T_DY, PROFILE.forward_us, PROFILE.t_full_us)
