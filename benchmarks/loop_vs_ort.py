@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 
 from etgraph.artifacts import ArtifactCache  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH, load_dataset  # noqa: E402
-from etgraph.loop import RHO_TOLERANCE, TrainConfig, train  # noqa: E402
+from etgraph.loop import TrainConfig, train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.profile import default_cache_dir  # noqa: E402
 from etgraph.profiler import profile_model  # noqa: E402
@@ -109,7 +109,7 @@ def main(rounds, steps, rho, json_path):
     masks = {
         "full": np.ones(n, bool),
         "selective": select_for_rho(
-            prof.for_frozen_bn(frozen_bn), rho, None, strategy="prefix", tolerance=RHO_TOLERANCE
+            prof.for_frozen_bn(frozen_bn), rho, None, strategy="prefix"
         ).mask,
     }
     data = load_dataset(None, input_shape=shape, num_classes=model.num_classes, seed=0)

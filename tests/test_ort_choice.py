@@ -209,3 +209,45 @@ def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(tmp_path, default_prof
     assert run.fit_time_model(records).observations == 1
     run.ort = ConfigChoice.given("on+stop")  # wall clock: every epoch counts
     assert run.fit_time_model(records).observations == 3
+
+
+def test_changed_options_are_calibrated_before_the_period_selects(
+    tmp_path, default_profile, default_model, monkeypatch
+):
+    """When a re-check changes the session options at a period start, the last selection and
+    full steps are measured in the new options first, logged with the period's first epoch,
+    and the period's fit counts that measurement as its latest observation (after a switch to
+    spinning off it may be the only one the fit by CPU time has)."""
+    from etgraph import loop
+    from etgraph.rundir import read_log
+    from etgraph.sessions import ConfigChoice
+    from etgraph.timing import fit_step_times
+
+    prof, _ = default_profile
+
+    def recheck(self, records):  # the second period starts after "a slowdown"
+        if len(records) != 1:
+            return False
+        self.ort = ConfigChoice.given("off", "test")
+        return True
+
+    monkeypatch.setattr(loop._Run, "recheck_ort_config", recheck)
+    cfg = TrainConfig(epochs=2, period=1, rho=0.6, max_steps_per_epoch=20, max_val_batches=2)
+    loop.train(default_model, prof, cfg, tmp_path / "run", progress=False)
+    first, second = read_log(tmp_path / "run")
+    assert first["calibration"] is None
+    row = second["calibration"]
+    assert row["ort_config"] == "off" and row["reference_steps"] == 2
+    assert row["selection"] == first["selection"]  # the last period's selection
+    assert 0 < row["median_step_us"] < row["reference_step_us"]  # elastic < full
+    assert second["ort_probe_s"] > 0  # its time is charged to the epoch
+    # the fit by CPU time (spinning off): the first epoch only if it did not spin
+    rows = [r for r in (first, row) if not loop._spinning(r["ort_config"])]
+    expected = fit_step_times(
+        [r["predicted_step_us"] for r in rows],
+        [r["median_step_cpu_us"] for r in rows],
+        [r["reference_step_cpu_us"] for r in rows],
+        prof.t_full_us,
+    )
+    assert second["fit_scale"] == pytest.approx(expected.scale)
+    assert second["fit_fixed_us"] == pytest.approx(expected.fixed_us)
