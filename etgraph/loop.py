@@ -425,12 +425,6 @@ RHO_TOLERANCE = 0.05
 REFERENCE_WARMUP = 1
 
 
-#: Elastic steps of :meth:`_Run.calibrate` (after one warm-up), with a reference step after
-#: each step index of :data:`CALIBRATION_REFERENCES`.
-CALIBRATION_STEPS = 10
-CALIBRATION_REFERENCES = (3, 6)
-
-
 def reference_positions(steps: int, count: int) -> frozenset[int]:
     """Indices (0-based) of the ``count`` steps of an epoch of ``steps`` after which a reference
     step runs: spread evenly, never after step 0 (a fresh session's first step) unless the
@@ -485,19 +479,6 @@ def reference_ratio(
         if local and ref > 0:
             ratios.append(float(np.median(local)) / ref)
     return float(np.median(ratios)) if ratios else float("nan")
-
-
-def _reference_step(reference, x, y) -> tuple[float, float]:
-    """One full reference step at learning rate 0: the fastest of ``1 + REFERENCE_WARMUP`` full
-    steps of ``reference`` (a :class:`GradientSession` with its optimizer) on the batch ``x, y``,
-    as ``(wall s, process CPU s)``."""
-    wall, cpu = [], []
-    for _ in range(1 + REFERENCE_WARMUP):
-        ts, cs = time.perf_counter(), time.process_time()
-        reference.train_step(x, y, 0.0)
-        wall.append(time.perf_counter() - ts)
-        cpu.append(time.process_time() - cs)
-    return min(wall), min(cpu)
 
 
 def _memory_log(what: str) -> None:
@@ -620,7 +601,6 @@ class _Run:
         self._evaluator = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self.fit = StepTimeFit()
-        self._calibration: dict | None = None  # logged with the next epoch (calibrate)
         self._predicted_peak_mb: float | None = None  # the run's, under a memory budget
         self._startup_peak_mb: float | None = None
         # The training sessions' options: measured at the start of run() unless given.
@@ -990,73 +970,16 @@ class _Run:
             self._ort_base_ms = now_ms  # changed: the next period's step, in the new options
         return changed
 
-    def calibrate(self, mask: np.ndarray, carried: CarriedState) -> dict:
-        """One observation of the time model in session options that just changed, before the
-        period selects: the last period's selection ``mask`` (its artifacts are cached) opened
-        in the new options from the ``carried`` state, :data:`CALIBRATION_STEPS` steps of it
-        and full reference steps (:func:`reference_ratio`), all at learning rate 0 on a probe
-        batch. Without it a switch to spinning off left the fit (by CPU time) no epoch to fit:
-        ResNet50 at 128 px, under a CPU hog, ran the next period on the profile's model at
-        1.15x rho. Its time is charged to the next epoch (``ort_probe_s``).
-
-        Returns:
-            A row of :meth:`fit_time_model` (the fields it reads, µs), also logged with the
-            period's first epoch (``calibration``).
-        """
-        cfg = self.config
-        t0 = time.perf_counter()
-        paths, _, trainable = self.artifacts(mask)
-        ckpt = self.out / SESSION_DIR / CHECKPOINT_FILE
-        write_checkpoint(ckpt, carried, trainable, initial_learning_rate=cfg.learning_rate)
-        session = self._session(paths.directory, ckpt)
-        reference = self.reference_session()
-        x, y = self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, 0))
-        session.train_step(x, y, 0.0)  # a fresh session's first step allocates
-        wall, cpu, reference_wall, reference_cpu = [], [], [], []
-        for i in range(CALIBRATION_STEPS):
-            ts, cs = time.perf_counter(), time.process_time()
-            session.train_step(x, y, 0.0)
-            wall.append(time.perf_counter() - ts)
-            cpu.append(time.process_time() - cs)
-            if i in CALIBRATION_REFERENCES:
-                w, c = _reference_step(reference, x, y)
-                reference_wall.append((i, w))
-                reference_cpu.append((i, c))
-        del session
-        median_us, median_cpu_us = float(np.median(wall)) * 1e6, float(np.median(cpu)) * 1e6
-        row = {
-            "ort_config": self.ort.label,
-            "selection": [int(i) for i in np.flatnonzero(mask)],
-            "predicted_step_us": self.predicted_step_us(mask),
-            "median_step_us": median_us,
-            "reference_step_us": median_us / reference_ratio(wall, reference_wall),
-            "median_step_cpu_us": median_cpu_us,
-            "reference_step_cpu_us": median_cpu_us / reference_ratio(cpu, reference_cpu),
-            "reference_steps": len(reference_wall),
-        }
-        self._probe_s += time.perf_counter() - t0
-        log.info(
-            "calibrated in the new options: elastic %.2f ms, full %.2f ms (%.2f s)",
-            median_us / 1e3,
-            row["reference_step_us"] / 1e3,
-            time.perf_counter() - t0,
-        )
-        return row
-
     def fit_time_model(self, records: list[dict]) -> StepTimeFit:
         """The time-model correction from the epochs measured so far (identity in the open loop
         or before any reference step). By process CPU time (spinning off) only the epochs whose
         sessions did not spin count: a spinning pool's CPU time is waiting, so epochs before a
         re-check turned spinning off would skew the fit (MobileNetV2 under a hog: scale 1.9,
-        the next period 21% low by wall clock). A period's calibration (:meth:`calibrate`)
-        counts as an observation before its epochs."""
+        the next period 21% low by wall clock)."""
         clock = fit_clock(self.ort.config.spinning)
-        observed = [row for r in records for row in (r.get("calibration"), r) if row]
-        if self._calibration:  # measured at this period's start, not logged yet
-            observed.append(self._calibration)
         rows = [
             r
-            for r in observed
+            for r in records
             if r.get("reference_steps")
             and (clock == "" or not _spinning(r.get("ort_config", "off")))
         ]
@@ -1106,8 +1029,6 @@ class _Run:
                     carried, _, _ = read_checkpoint(self.out / CHECKPOINT_FILE)
                     if self.recheck_ort_config(records):
                         session = None  # opened again with the new options
-                        if cfg.closed_loop and cfg.strategy in BUDGETED_STRATEGIES:
-                            self._calibration = self.calibrate(mask_prev, carried)
             if cfg.deadline_s is not None:
                 self.rho = self.deadline_rho(period_start, records)
             session, mask, timings = self._reselect(period, session, mask_prev, carried, records)
@@ -1280,9 +1201,14 @@ class _Run:
             step_cpu.append(time.process_time() - cs)
             if i in reference_at:
                 t_ref = time.perf_counter()
-                wall, cpu = _reference_step(reference, x, y)
-                reference_times.append((i, wall))
-                reference_cpu.append((i, cpu))
+                wall, cpu = [], []
+                for _ in range(1 + REFERENCE_WARMUP):  # the fastest of them (REFERENCE_WARMUP)
+                    ts, cs = time.perf_counter(), time.process_time()
+                    reference.train_step(x, y, 0.0)
+                    wall.append(time.perf_counter() - ts)
+                    cpu.append(time.process_time() - cs)
+                reference_times.append((i, min(wall)))
+                reference_cpu.append((i, min(cpu)))
                 reference_s += time.perf_counter() - t_ref
             if not math.isfinite(loss):
                 bar.close()
@@ -1362,7 +1288,6 @@ class _Run:
             ort_probe_s=probe_s,
             ort_probe_step_ms=dict(self.ort.step_ms) if chose and self.ort.step_ms else None,
             ort_note=self.ort.note if chose else "",
-            calibration=self._calibration if timings is not None else None,
             predicted_peak_mb=(
                 self._predicted_peak_mb
                 if self._predicted_peak_mb is not None
@@ -1371,8 +1296,6 @@ class _Run:
                 else self.memory_profile.peak_mb(mask)
             ),
         )
-        if timings is not None:
-            self._calibration = None  # logged
         if self.progress:
             tqdm.write(
                 f"epoch {epoch + 1:>3}/{cfg.epochs}  loss {record.train_loss:.4f}  "

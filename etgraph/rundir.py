@@ -146,9 +146,6 @@ class EpochRecord:
     ort_probe_s: float = 0.0  # choosing them at the run's start (in wall_time_s)
     ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step (probe)
     ort_note: str = ""  # why the options were not probed (with the epoch that chose them)
-    # after the options changed at this period's start: the last selection and full steps
-    # measured in the new options before selecting (etgraph.loop._Run.calibrate), a fit row
-    calibration: dict | None = None
 
 
 @dataclass
