@@ -491,7 +491,13 @@ def compile_command(
 @click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size.")
 @click.option("--lr", default=1e-4, show_default=True, type=float, help="Peak AdamW lr (cosine).")
 @click.option("--weight-decay", default=0.01, show_default=True, type=float, help="AdamW decay.")
-@click.option("--rho", default=0.5, show_default=True, type=float, help="Step time / full step.")
+@click.option(
+    "--rho",
+    default=0.5,
+    show_default=True,
+    type=float,
+    help="Step time / full step (within ±5% once the closed loop has measured steps).",
+)
 @click.option("--period", default=3, show_default=True, type=int, help="Epochs per re-selection.")
 @click.option(
     "--strategy",
