@@ -7,7 +7,7 @@ CPU time, as the closed loop fits) from the *other* epochs with
 
 * ``open`` — the profile as is: ``p / T``;
 * ``offset`` — the closed loop's fit (:func:`etgraph.timing.fit_step_times`: a per-step offset
-  ``c``, median of the per-epoch offsets with the open loop's vote): ``(p + c) / (T + c)``;
+  ``c``, median of the per-epoch offsets): ``(p + c) / (T + c)``;
 * ``per-tensor`` — ``c`` plus a correction per tensor for its weight-gradient time (selected)
   and its error-gradient time (``k >= e(M)``), least squares (minimum norm) on the linear form
   ``m T - r p = c (r - m) + sum_k d_k (r x_k - m)`` of ``m / r = (p + c + x.d) / (T + c +

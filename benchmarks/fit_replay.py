@@ -1,0 +1,138 @@
+"""How well does the closed loop's fit predict the next period? Replayed on logged runs.
+
+For every closed- and open-loop run kept by ``benchmarks/closed_loop.py --json`` (default:
+``benchmarks/results/closed_loop*.json``) and every period ``p >= 1``: the fit from the epochs
+before it (the clock the loop fits by: CPU time for sessions without spinning, wall time
+otherwise, :func:`etgraph.loop.fit_clock`) predicts the ratio elastic / full of the selection
+period ``p`` ran, ``(model step + c) / (T_full + c)``, against the ratio measured alike in that
+period. Variants of the fit, side by side on the same periods:
+
+* ``median`` — :func:`etgraph.timing.fit_step_times` (median of the per-epoch offsets);
+* ``median+vote`` — the rule before session 8: the open loop's ``c = 0`` votes in the median,
+  unless every epoch puts the open loop off by more than 10% in the same direction;
+* ``last 3`` / ``last 2`` — the median over the latest epochs only.
+
+The selections were chosen by whichever rule the run used, so this scores predictions of the
+selections actually run. Prints mean, mean |error| and the share within ±5%, per group
+(period 1 / later; quiet runs / runs at load >= 4 at their start).
+
+Usage::
+
+    python benchmarks/fit_replay.py [LOG.json ...]
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from etgraph.loop import _spinning  # noqa: E402
+from etgraph.timing import StepTimeFit, fit_step_times  # noqa: E402
+
+
+def _with_vote(p, m, r, t_full) -> StepTimeFit:
+    """The fit before session 8 (the open loop's offset 0 as one more vote)."""
+    p, m, r = (np.asarray(a, dtype=np.float64) for a in (p, m, r))
+    ok = np.isfinite(p) & np.isfinite(m) & np.isfinite(r) & (m > 0) & (r > 0)
+    p, m, r = p[ok], m[ok], r[ok]
+    if p.size == 0:
+        return StepTimeFit()
+    d = m - r
+    informative = np.abs(d) > 0.02 * r
+    offset = 0.0
+    if informative.any():
+        c = ((r * p - m * t_full) / np.where(informative, d, 1.0))[informative]
+        off = (p[informative] + c) * t_full / ((t_full + c) * p[informative]) - 1.0
+        agree = bool(np.all(off > 0.10) or np.all(off < -0.10))
+        offset = float(np.median(c if agree else np.append(c, 0.0)))
+    offset = max(offset, -0.9 * t_full)
+    return StepTimeFit(float(r[-1] / (t_full + offset)), offset, int(p.size))
+
+
+VARIANTS = {
+    "median": lambda rows: rows,
+    "median+vote": None,
+    "last 3": lambda rows: rows[-3:],
+    "last 2": lambda rows: rows[-2:],
+}
+
+
+def _errors(records: list[dict]) -> list[tuple[str, int, float]]:
+    """(variant, period, measured / predicted - 1) for every period >= 1 of one run."""
+    first = records[0]
+    if first.get("fit_scale") != 1.0 or first.get("fit_fixed_us") != 0.0:
+        return []  # resumed or otherwise not starting from the profile
+    t_full = first["predicted_step_us"] / first["rho_predicted"]
+    out = []
+    for p in range(1, len(records)):
+        cur = records[p]
+        clock = "" if _spinning(cur.get("ort_config", "off")) else "_cpu"
+        past = [
+            r
+            for r in records[:p]
+            if r.get("reference_steps")
+            and (clock == "" or not _spinning(r.get("ort_config", "off")))
+        ]
+        measured = cur[f"median_step{clock}_us"] / cur[f"reference_step{clock}_us"]
+        if not past or not np.isfinite(measured):
+            continue
+        for name, window in VARIANTS.items():
+            rows = past if window is None else window(past)
+            args = (
+                [r["predicted_step_us"] for r in rows],
+                [r[f"median_step{clock}_us"] for r in rows],
+                [r[f"reference_step{clock}_us"] for r in rows],
+                t_full,
+            )
+            fit = _with_vote(*args) if window is None else fit_step_times(*args)
+            out.append((name, p, measured / fit.rho(cur["predicted_step_us"], t_full) - 1.0))
+    return out
+
+
+def _start_load(logged) -> float:
+    """The 1-minute load average at the run's start: the logs keep ``"a b c"`` or ``["a b c",
+    "d e f"]`` (start, end); 0 when not logged."""
+    if isinstance(logged, list):
+        logged = logged[0] if logged else ""
+    fields = str(logged or "0").split()
+    return float(fields[0]) if fields else 0.0
+
+
+@click.command()
+@click.argument("logs", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+def main(logs) -> None:
+    paths = logs or sorted(glob.glob(str(ROOT / "benchmarks/results/closed_loop*.json")))
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    runs = 0
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for run in data if isinstance(data, list) else []:
+            records = run.get("records", [])
+            if len(records) < 2:
+                continue
+            runs += 1
+            load = "loaded" if _start_load(run.get("load_average")) >= 4 else "quiet"
+            for name, p, err in _errors(records):
+                groups.setdefault((name, "p1" if p == 1 else "p2+", load), []).append(err)
+    print(f"{runs} runs from {len(paths)} logs: measured / predicted ratio - 1 of each period")
+    print("| fit | periods | machine | n | mean | mean abs | within 5% |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, period, load), errs in sorted(groups.items(), key=lambda kv: kv[0][1:] + kv[0][:1]):
+        e = np.array(errs)
+        print(
+            f"| {name} | {period} | {load} | {e.size} | {e.mean() * 100:+.2f}% "
+            f"| {np.abs(e).mean() * 100:.2f}% | {np.mean(np.abs(e) < 0.05) * 100:.0f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()
