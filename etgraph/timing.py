@@ -340,9 +340,9 @@ def fit_step_times(model_step_us, measured_us, reference_us, t_full_us: float) -
     Until session 8 the open loop's ``c = 0`` voted in the median too (a correction only one
     epoch supports went half way, unless every epoch put the open loop off by more than 10%
     in the same direction). Replayed on every closed-loop log kept (``benchmarks/fit_replay.py``:
-    64 runs, 280 periods), the median without it predicts the next period's measured ratio
-    better in every group: quiet, period 1 mean |error| 3.10% vs 3.37% (within 5%: 80% vs
-    73%), later periods 3.89% vs 4.15%; loaded 10.72% vs 10.87% and 5.91% vs 6.19%.
+    74 runs, 322 periods), the median without it predicts the next period's measured ratio a
+    little better in every group: quiet, period 1 mean |error| 3.10% vs 3.37%, later periods
+    3.25% vs 3.53%; loaded 10.72% vs 10.87% and 5.91% vs 6.19%.
 
     Args:
         model_step_us, measured_us, reference_us: float [K] µs (K >= 0; NaN rows are ignored).
