@@ -7,14 +7,17 @@ otherwise, :func:`etgraph.loop.fit_clock`) predicts the ratio elastic / full of 
 period ``p`` ran, ``(model step + c) / (T_full + c)``, against the ratio measured alike in that
 period. Variants of the fit, side by side on the same periods:
 
-* ``median`` — :func:`etgraph.timing.fit_step_times` (median of the per-epoch offsets);
-* ``median+vote`` — the rule before session 8: the open loop's ``c = 0`` votes in the median,
-  unless every epoch puts the open loop off by more than 10% in the same direction;
-* ``last 3`` / ``last 2`` — the median over the latest epochs only.
+* ``median+vote`` — :func:`etgraph.timing.fit_step_times`, the rule in use: the median of the
+  per-epoch offsets with the open loop's ``c = 0`` as one more vote (dropped when every epoch
+  puts the open loop off by more than 10% in the same direction);
+* ``median`` — the median without that vote;
+* ``last 3`` / ``last 2`` — ``median`` over the latest epochs only.
 
 The selections were chosen by whichever rule the run used, so this scores predictions of the
-selections actually run. Prints mean, mean |error| and the share within ±5%, per group
-(period 1 / later; quiet runs / runs at load >= 4 at their start).
+selections actually run, not what another rule would have selected next (a full-way
+correction from one noisy epoch also changes the selection: see the README, "Closed loop").
+Prints mean, mean |error| and the share within ±5%, per group (period 1 / later; quiet runs /
+runs at load >= 4 at their start).
 
 Usage::
 
@@ -39,8 +42,8 @@ from etgraph.loop import _spinning  # noqa: E402
 from etgraph.timing import StepTimeFit, fit_step_times  # noqa: E402
 
 
-def _with_vote(p, m, r, t_full) -> StepTimeFit:
-    """The fit before session 8 (the open loop's offset 0 as one more vote)."""
+def _median(p, m, r, t_full) -> StepTimeFit:
+    """:func:`fit_step_times` without the open loop's vote."""
     p, m, r = (np.asarray(a, dtype=np.float64) for a in (p, m, r))
     ok = np.isfinite(p) & np.isfinite(m) & np.isfinite(r) & (m > 0) & (r > 0)
     p, m, r = p[ok], m[ok], r[ok]
@@ -50,19 +53,19 @@ def _with_vote(p, m, r, t_full) -> StepTimeFit:
     informative = np.abs(d) > 0.02 * r
     offset = 0.0
     if informative.any():
-        c = ((r * p - m * t_full) / np.where(informative, d, 1.0))[informative]
-        off = (p[informative] + c) * t_full / ((t_full + c) * p[informative]) - 1.0
-        agree = bool(np.all(off > 0.10) or np.all(off < -0.10))
-        offset = float(np.median(c if agree else np.append(c, 0.0)))
+        offset = float(
+            np.median(((r * p - m * t_full) / np.where(informative, d, 1.0))[informative])
+        )
     offset = max(offset, -0.9 * t_full)
     return StepTimeFit(float(r[-1] / (t_full + offset)), offset, int(p.size))
 
 
+#: name -> (fit, which of the earlier epochs it sees)
 VARIANTS = {
-    "median": lambda rows: rows,
-    "median+vote": None,
-    "last 3": lambda rows: rows[-3:],
-    "last 2": lambda rows: rows[-2:],
+    "median+vote": (fit_step_times, lambda rows: rows),
+    "median": (_median, lambda rows: rows),
+    "last 3": (_median, lambda rows: rows[-3:]),
+    "last 2": (_median, lambda rows: rows[-2:]),
 }
 
 
@@ -85,15 +88,14 @@ def _errors(records: list[dict]) -> list[tuple[str, int, float]]:
         measured = cur[f"median_step{clock}_us"] / cur[f"reference_step{clock}_us"]
         if not past or not np.isfinite(measured):
             continue
-        for name, window in VARIANTS.items():
-            rows = past if window is None else window(past)
-            args = (
+        for name, (fit_of, window) in VARIANTS.items():
+            rows = window(past)
+            fit = fit_of(
                 [r["predicted_step_us"] for r in rows],
                 [r[f"median_step{clock}_us"] for r in rows],
                 [r[f"reference_step{clock}_us"] for r in rows],
                 t_full,
             )
-            fit = _with_vote(*args) if window is None else fit_step_times(*args)
             out.append((name, p, measured / fit.rho(cur["predicted_step_us"], t_full) - 1.0))
     return out
 
