@@ -163,7 +163,13 @@ def test_closed_loop_run_logs_measured_alike_figures(tmp_path, default_profile, 
 
     prof, _ = default_profile
     config = TrainConfig(
-        epochs=3, period=1, rho=0.7, max_steps_per_epoch=30, max_val_batches=4, closed_loop=True
+        epochs=3,
+        period=1,
+        rho=0.7,
+        max_steps_per_epoch=30,
+        max_val_batches=4,
+        closed_loop=True,
+        spinning="off",  # no re-check: a change of options legitimately restarts the fit (CI)
     )
     result = train(default_model, prof, config, tmp_path / "run", progress=False)
     records = read_log(tmp_path / "run")
