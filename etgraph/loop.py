@@ -975,14 +975,15 @@ class _Run:
         or before any reference step). By process CPU time (spinning off) only the epochs whose
         sessions did not spin count: a spinning pool's CPU time is waiting, so epochs before a
         re-check turned spinning off would skew the fit (MobileNetV2 under a hog: scale 1.9,
-        the next period 21% low by wall clock)."""
+        the next period 21% low by wall clock). Right after such a switch no epoch is left:
+        the wall-clock fit of the epochs that spun is used then (their wall time is real time;
+        at the switch period of 8 logged CPU-hog runs it predicted the measured ratio within
+        7.4% on average, the profile's model within 9.5%)."""
         clock = fit_clock(self.ort.config.spinning)
-        rows = [
-            r
-            for r in records
-            if r.get("reference_steps")
-            and (clock == "" or not _spinning(r.get("ort_config", "off")))
-        ]
+        measured = [r for r in records if r.get("reference_steps")]
+        rows = [r for r in measured if clock == "" or not _spinning(r.get("ort_config", "off"))]
+        if not rows:
+            clock, rows = "", measured
         if not self.config.closed_loop or not rows:
             return StepTimeFit()
         return fit_step_times(

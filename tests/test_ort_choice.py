@@ -185,7 +185,8 @@ def test_recheck_after_a_slowdown_chooses_spinning_off_in_a_run_too_short_to_pro
 
 def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(tmp_path, default_profile, default_model):
     """After a re-check turned spinning off, the closed loop fits process CPU time, and the
-    epochs trained with spinning on (their CPU time counts the spinning) are left out."""
+    epochs trained with spinning on (their CPU time counts the spinning) are left out; until
+    such an epoch exists, those epochs' wall-clock fit is used."""
     from etgraph import loop
     from etgraph.sessions import ConfigChoice
 
@@ -207,5 +208,9 @@ def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(tmp_path, default_prof
     records = [epoch("on+stop", 1.8), epoch("on+stop", 1.8), epoch("off", 1.0)]
     run.ort = ConfigChoice.given("off")
     assert run.fit_time_model(records).observations == 1
+    # Right after the switch no epoch without spinning exists: their wall-clock fit, not the
+    # CPU time the spinning inflated (that would put the offset far from 0 here).
+    first = run.fit_time_model(records[:2])
+    assert first.observations == 2 and first.offset_us == pytest.approx(0.0, abs=1e-6)
     run.ort = ConfigChoice.given("on+stop")  # wall clock: every epoch counts
     assert run.fit_time_model(records).observations == 3
