@@ -2,10 +2,10 @@
 
 For every closed- and open-loop run kept by ``benchmarks/closed_loop.py --json`` (default:
 ``benchmarks/results/closed_loop*.json``) and every period ``p >= 1``: the fit from the epochs
-before it (the clock the loop fits by: CPU time for sessions without spinning, wall time
-otherwise, :func:`etgraph.loop.fit_clock`) predicts the ratio elastic / full of the selection
-period ``p`` ran, ``(model step + c) / (T_full + c)``, against the ratio measured alike in that
-period. Variants of the fit, side by side on the same periods:
+before it (the clock and epochs the loop fits, :func:`etgraph.loop.fit_rows`) predicts the
+ratio elastic / full of the selection period ``p`` ran, ``(model step + c) / (T_full + c)``,
+against the ratio measured alike in that period. Variants of the fit, side by side on the
+same periods:
 
 * ``median+vote`` — :func:`etgraph.timing.fit_step_times`, the rule in use: the median of the
   per-epoch offsets with the open loop's ``c = 0`` as one more vote (dropped when every epoch
@@ -38,34 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from etgraph.loop import _spinning  # noqa: E402
-from etgraph.timing import StepTimeFit, fit_step_times  # noqa: E402
+from etgraph.loop import fit_rows, spins  # noqa: E402
+from etgraph.timing import fit_step_times  # noqa: E402
 
-
-def _median(p, m, r, t_full) -> StepTimeFit:
-    """:func:`fit_step_times` without the open loop's vote."""
-    p, m, r = (np.asarray(a, dtype=np.float64) for a in (p, m, r))
-    ok = np.isfinite(p) & np.isfinite(m) & np.isfinite(r) & (m > 0) & (r > 0)
-    p, m, r = p[ok], m[ok], r[ok]
-    if p.size == 0:
-        return StepTimeFit()
-    d = m - r
-    informative = np.abs(d) > 0.02 * r
-    offset = 0.0
-    if informative.any():
-        offset = float(
-            np.median(((r * p - m * t_full) / np.where(informative, d, 1.0))[informative])
-        )
-    offset = max(offset, -0.9 * t_full)
-    return StepTimeFit(float(r[-1] / (t_full + offset)), offset, int(p.size))
-
-
-#: name -> (fit, which of the earlier epochs it sees)
+#: name -> (the open loop's vote, which of the earlier epochs the fit sees)
 VARIANTS = {
-    "median+vote": (fit_step_times, lambda rows: rows),
-    "median": (_median, lambda rows: rows),
-    "last 3": (_median, lambda rows: rows[-3:]),
-    "last 2": (_median, lambda rows: rows[-2:]),
+    "median+vote": (True, lambda rows: rows),
+    "median": (False, lambda rows: rows),
+    "last 3": (False, lambda rows: rows[-3:]),
+    "last 2": (False, lambda rows: rows[-2:]),
 }
 
 
@@ -78,23 +59,18 @@ def _errors(records: list[dict]) -> list[tuple[str, int, float]]:
     out = []
     for p in range(1, len(records)):
         cur = records[p]
-        clock = "" if _spinning(cur.get("ort_config", "off")) else "_cpu"
-        past = [
-            r
-            for r in records[:p]
-            if r.get("reference_steps")
-            and (clock == "" or not _spinning(r.get("ort_config", "off")))
-        ]
+        clock, past = fit_rows(records[:p], spins(cur.get("ort_config", "off")))
         measured = cur[f"median_step{clock}_us"] / cur[f"reference_step{clock}_us"]
         if not past or not np.isfinite(measured):
             continue
-        for name, (fit_of, window) in VARIANTS.items():
+        for name, (vote, window) in VARIANTS.items():
             rows = window(past)
-            fit = fit_of(
+            fit = fit_step_times(
                 [r["predicted_step_us"] for r in rows],
                 [r[f"median_step{clock}_us"] for r in rows],
                 [r[f"reference_step{clock}_us"] for r in rows],
                 t_full,
+                prior_vote=vote,
             )
             out.append((name, p, measured / fit.rho(cur["predicted_step_us"], t_full) - 1.0))
     return out

@@ -346,10 +346,25 @@ def cosine_learning_rate(base_lr: float, step: int, total_steps: int) -> float:
 # ---- the run --------------------------------------------------------------------------------
 
 
-def _spinning(label: str) -> bool:
+def spins(label: str) -> bool:
     """Whether the sessions of a logged ``ort_config`` label spun (unknown labels: no)."""
     config = TRAIN_CANDIDATES.get(label)
     return bool(config is not None and config.spinning)
+
+
+def fit_rows(records: list[dict], spinning: bool) -> tuple[str, list[dict]]:
+    """``(clock, epochs)`` the closed loop fits when its sessions' spinning is ``spinning``
+    (:func:`fit_clock`): the epochs with reference steps, by process CPU time only those whose
+    sessions did not spin (a spinning pool's CPU time is waiting: epochs before a re-check
+    turned spinning off would skew the fit — MobileNetV2 under a hog: scale 1.9, the next
+    period 21% low by wall clock). Right after such a switch none is left: the wall clock of
+    the epochs that spun then (their wall time is real time; at the switch period of 8 logged
+    CPU-hog runs it predicted the measured ratio within 7.4% on average, the profile's model
+    within 9.5%)."""
+    clock = fit_clock(spinning)
+    measured = [r for r in records if r.get("reference_steps")]
+    rows = [r for r in measured if clock == "" or not spins(r.get("ort_config", "off"))]
+    return (clock, rows) if rows else ("", measured)
 
 
 def fit_clock(spinning: bool) -> str:
@@ -971,19 +986,9 @@ class _Run:
         return changed
 
     def fit_time_model(self, records: list[dict]) -> StepTimeFit:
-        """The time-model correction from the epochs measured so far (identity in the open loop
-        or before any reference step). By process CPU time (spinning off) only the epochs whose
-        sessions did not spin count: a spinning pool's CPU time is waiting, so epochs before a
-        re-check turned spinning off would skew the fit (MobileNetV2 under a hog: scale 1.9,
-        the next period 21% low by wall clock). Right after such a switch no epoch is left:
-        the wall-clock fit of the epochs that spun is used then (their wall time is real time;
-        at the switch period of 8 logged CPU-hog runs it predicted the measured ratio within
-        7.4% on average, the profile's model within 9.5%)."""
-        clock = fit_clock(self.ort.config.spinning)
-        measured = [r for r in records if r.get("reference_steps")]
-        rows = [r for r in measured if clock == "" or not _spinning(r.get("ort_config", "off"))]
-        if not rows:
-            clock, rows = "", measured
+        """The time-model correction from the epochs measured so far (:func:`fit_rows`;
+        identity in the open loop or before any reference step)."""
+        clock, rows = fit_rows(records, self.ort.config.spinning)
         if not self.config.closed_loop or not rows:
             return StepTimeFit()
         return fit_step_times(

@@ -328,7 +328,9 @@ class StepTimeFit:
 PRIOR_DROP_ERROR = 0.10
 
 
-def fit_step_times(model_step_us, measured_us, reference_us, t_full_us: float) -> StepTimeFit:
+def fit_step_times(
+    model_step_us, measured_us, reference_us, t_full_us: float, *, prior_vote: bool = True
+) -> StepTimeFit:
     """Fit :class:`StepTimeFit` to steps measured in the training loop.
 
     Observation i is one stretch of training (an epoch): a selection whose model step is
@@ -350,6 +352,8 @@ def fit_step_times(model_step_us, measured_us, reference_us, t_full_us: float) -
     Args:
         model_step_us, measured_us, reference_us: float [K] µs (K >= 0; NaN rows are ignored).
         t_full_us: the model's ``T_full`` µs (> 0).
+        prior_vote: whether the open loop's ``c = 0`` votes (the loop's rule); False only to
+            compare rules (``benchmarks/fit_replay.py``).
 
     Returns:
         The fit; the identity (scale 1, offset 0, 0 observations) when no row is usable.
@@ -371,7 +375,8 @@ def fit_step_times(model_step_us, measured_us, reference_us, t_full_us: float) -
         # how far each epoch says the open loop's ratio p / T is off: (p + c) / (T + c) / (p / T)
         off = (pi + per_epoch) * t_full / ((t_full + per_epoch) * pi) - 1.0
         agree = bool(np.all(off > PRIOR_DROP_ERROR) or np.all(off < -PRIOR_DROP_ERROR))
-        offset = float(np.median(per_epoch if agree else np.append(per_epoch, 0.0)))
+        vote = prior_vote and not agree
+        offset = float(np.median(np.append(per_epoch, 0.0) if vote else per_epoch))
     offset = max(offset, -0.9 * t_full)  # keep T_full + c > 0
     scale = float(r[-1] / (t_full + offset))
     return StepTimeFit(scale, offset, int(p.size))
