@@ -396,7 +396,7 @@ PROBE_ROUNDS = 4
 
 #: No probe when the 1-minute load average is at least this many times the cores the process
 #: may use: spinning then loses to spinning off (1.6-3.3x slower at every load >= 1.4 measured
-#: on 2 cores, README "ORT session options") and the probe would only cost time.
+#: on 2 cores, docs/results.md "ORT session options") and the probe would only cost time.
 PROBE_MAX_LOAD_PER_CORE = 1.0
 
 #: The options are chosen again at a period start when the last period's full step measured
@@ -902,8 +902,8 @@ class _Run:
                 note += f"the full step is {slowdown:.1f}x slower than at the last choice"
             else:
                 # Below the load gate the machine is quiet: take what won there in every role,
-                # round robin included (README, "ORT session options": on + stop 0.80-0.94x of
-                # off at load 0.3-1.7; 0.78x in the loop at load 1.5).
+                # round robin included (docs/results.md, "ORT session options": on + stop
+                # 0.80-0.94x of off at load 0.3-1.7; 0.78x in the loop at load 1.5).
                 label = QUIET_CANDIDATE
                 note += f"load average {load:.1f} < {cores} cores: the quiet-machine choice"
         if note:

@@ -1,6 +1,6 @@
 """Measurements on ONNX Runtime: what the profiler and the time-model checks time (paper §5).
 
-Wall-clock time is measured, never FLOPs (README, "Time model validation"). Every
+Wall-clock time is measured, never FLOPs (docs/results.md, "Time model validation"). Every
 measurement is a *runner* stepped once per round by :func:`round_robin`, so a change of the
 machine's load hits all of them alike:
 

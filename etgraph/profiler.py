@@ -145,7 +145,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_LEVEL", "LEVELS", "profile_model"]
 
 #: Profiling levels and their ``(repeats, warmup)`` defaults (module docstring, "Profiling
-#: levels"; README, "Profiling cost").
+#: levels"; docs/results.md, "Profiling cost").
 LEVELS: dict[str, tuple[int, int]] = {"fast": (3, 1), "thorough": (10, 3)}
 
 #: The level ``etgraph compile/profile/train`` use unless ``--profile-level`` says otherwise.
@@ -296,7 +296,8 @@ def profile_model(
     if prof.load_average is not None and prof.load_average - threads >= cores:
         # Other work alone filled the cores (the profiler's own threads count up to `threads`):
         # at load >= 6 on 2 cores every kernel longer than a time slice was stretched in every
-        # run (README, "Time model validation"); the closed loop re-fits the scale, not that.
+        # run (docs/results.md, "Time model validation"); the closed loop re-fits the scale, not
+        # that.
         log.warning(
             "profiled at load average %.1f on %d cores: other work may have stretched the "
             "measured times; profile again on a quieter machine for a sharper time model",

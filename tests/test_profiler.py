@@ -616,7 +616,7 @@ def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_model, pr
     # the gradient still passes through runs faster than the profile's per-node times, which
     # are of unbaked graphs: on this 1.5 ms model the first_only step baked is 0.78x unbaked
     # (MobileNetV2 at 128 px: 0.99x with batch norms in training mode, as here; 0.865x in
-    # inference mode, README "Frozen parameters become constants"), and the time model
+    # inference mode, docs/results.md "Frozen parameters become constants"), and the time model
     # over-predicts the mask with the most such layers, mask 2, by 30-33% (fast level, 3
     # profiles) and once 45% (CI); masks 0 and 1 by at most 29%. Known gap (README): that
     # saving belongs to t_dw of the layer's weights (paid when selected); the closed loop

@@ -11,7 +11,7 @@ affine map and Conv + BN are constant-folded and fused, and the NCHWc layout tra
 (ORT_ENABLE_ALL) runs those Convs in its blocked layout with fused activations — measured on
 MobileNetV2 at 128 px, a depthwise 3x3 conv on 960 channels at 4x4 runs in 0.036 ms blocked vs
 0.445 ms plain (one thread), and the DP selection's step at rho 0.5 (``--frozen-bn
-inference``) in 0.64-0.73x the time (ResNet50 0.91-0.93x; README).
+inference``) in 0.64-0.73x the time (ResNet50 0.91-0.93x; docs/results.md).
 
 :class:`BakeFrozenParamsPass` turns the graph inputs named in ``frozen`` into initializers
 holding the given values. :func:`bakeable_params` picks them from a training graph: the

@@ -46,7 +46,7 @@ __all__ = [
 #: graph: ``inference`` (running statistics used and kept, Keras' ``trainable=False``) or
 #: ``train`` (batch statistics, running statistics updated, as every BN before issue #14).
 FROZEN_BN_MODES = ("inference", "train")
-#: The default, chosen by measurement (benchmarks/frozen_bn.py, README).
+#: The default, chosen by measurement (benchmarks/frozen_bn.py, docs/results.md).
 DEFAULT_FROZEN_BN = "inference"
 
 _STATS = ("running_mean", "running_var")
