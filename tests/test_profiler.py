@@ -618,9 +618,9 @@ def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_model, pr
     # (MobileNetV2 at 128 px: 0.99x with batch norms in training mode, as here; 0.865x in
     # inference mode, docs/results.md "Frozen parameters become constants"), and the time model
     # over-predicts the mask with the most such layers, mask 2, by 30-33% (fast level, 3
-    # profiles) and once 45% (CI); masks 0 and 1 by at most 29%. Known gap (README): that
-    # saving belongs to t_dw of the layer's weights (paid when selected); the closed loop
-    # re-fits the scale and an offset, not that.
+    # profiles) and once 45% (CI); masks 0 and 1 by at most 29%. Known gap
+    # (docs/results.md): that saving belongs to t_dw of the layer's weights (paid when
+    # selected); the closed loop re-fits the scale and an offset, not that.
     assert np.all(np.abs(rel[:2]) < 0.4), (predicted, measured, full)
     assert -0.1 < rel[2] < 0.6, (predicted, measured, full)
     # Sanity: these selective steps are faster than full ones, measured and predicted.
