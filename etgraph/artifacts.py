@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Collection, Mapping, Sequence
@@ -68,7 +69,7 @@ from passes.onnx import (
 
 from . import files
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
-from .errors import ConfigError, ModelError, first_line
+from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
 from .model import with_batch
 from .onnx_io import model_structure
 
@@ -227,6 +228,40 @@ def _captured_native_stderr(captured: list[str]):
             captured.append(sink.read().decode(errors="replace"))
 
 
+_NO_BUILDER = re.compile(r"gradient builder has not been registered: (\w+) for node (\S+)")
+_NO_KERNEL = re.compile(r"implementation for (\w+)Grad\(\d+\) node with name '([^']*)'")
+
+
+def no_gradient_error(exc: Exception) -> UnsupportedOpError | None:
+    """The one-line :class:`UnsupportedOpError` for onnxruntime-training failing on an op that
+    has no gradient builder, or whose gradient has no CPU kernel (``exc``: ORT's RuntimeError
+    or Fail, with its C++ message); None for any other failure.
+
+    The registry (:mod:`etgraph.ops`) refuses the known ops at load; this names the others.
+    """
+    text = str(exc)
+    for pattern, why in (
+        (_NO_BUILDER, "has no gradient"),
+        (_NO_KERNEL, "has no CPU gradient kernel"),
+    ):
+        found = pattern.search(text)
+        if found:
+            op, node = found.groups()
+            return UnsupportedOpError(
+                f"node {node!r} uses op {op}, which {why} in onnxruntime-training 1.19.2: "
+                "replace it on the trained path and re-export"
+            )
+    return None
+
+
+def training_error(exc: Exception) -> ModelError:
+    """The one-line :class:`ModelError` for onnxruntime-training failing to build a training
+    graph: :func:`no_gradient_error`, else the first line of ORT's message."""
+    return no_gradient_error(exc) or ModelError(
+        f"onnxruntime-training could not build the training graph: {first_line(exc)}"
+    )
+
+
 def _fix_model(path: Path, pipeline) -> None:
     """Run ``pipeline`` on the model file (rewritten if the pipeline changed it)."""
     model = ir.load(path)
@@ -359,9 +394,7 @@ def generate(
                 )
         except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
             log.debug("onnxruntime-training log:\n%s", "".join(native_log))
-            raise ModelError(
-                f"onnxruntime-training could not build the training graph: {first_line(exc)}"
-            ) from exc
+            raise training_error(exc) from exc
         _fix_model(tmp / "eval_model.onnx", eval_model_pipeline())
         _fix_model(tmp / "training_model.onnx", training_model_pipeline())
         (tmp / "checkpoint").unlink()  # ORT's, of the placeholders
@@ -496,9 +529,7 @@ def training_graphs(
             optimizer = optim.to_model_proto()
     except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
         log.debug("onnxruntime-training log:\n%s", "".join(native_log))
-        raise ModelError(
-            f"onnxruntime-training could not build the training graph: {first_line(exc)}"
-        ) from exc
+        raise training_error(exc) from exc
     training_ir = ir.from_proto(training)
     if run_passes(training_model_pipeline(), training_ir).modified:
         training = ir.to_proto(training_ir)

@@ -64,6 +64,8 @@ class OpRule:
         gradient: whether onnxruntime-training 1.19.2 has a gradient builder for the op:
             True, ``"rewrite"`` (none, but rewritten by the legalisation pipeline) or False.
         fix: for ``gradient`` False or ``"rewrite"``: what to do about the op, as said in errors.
+        why: for ``gradient`` False: what is wrong with its gradient in onnxruntime-training
+            1.19.2, as said in errors.
         index_slots: input indices that select from the op's data (Gather's indices): they carry
             no gradient, but an output selected by values computed from the model's inputs
             (token ids) is on the data path (:func:`data_path_values`).
@@ -83,6 +85,7 @@ class OpRule:
     fix: str = ""
     index_slots: tuple[int, ...] = ()
     embedding_grad: bool = False
+    why: str = "has no gradient"
 
 
 DEFAULT_RULE = OpRule()
@@ -90,11 +93,19 @@ DEFAULT_RULE = OpRule()
 _CONV = OpRule("conv_dense", {1: "kernel", 2: "bias"})
 _NO_GRAD = OpRule(differentiable=False)
 _REDUCE = OpRule(nondiff_slots=(1,))
+_NO_CPU_KERNEL = "has no CPU gradient kernel"
 
 OP_RULES: dict[str, OpRule] = {
     # forward layers with trainable tensors
     "Conv": _CONV,
-    "ConvTranspose": _CONV,
+    # ConvTransposeGrad has no CPU kernel in 1.19.2: refused on the data path
+    "ConvTranspose": OpRule(
+        "conv_dense",
+        {1: "kernel", 2: "bias"},
+        gradient=False,
+        fix="upsample with Unsqueeze + Expand + Reshape (nearest) followed by a Conv",
+        why=_NO_CPU_KERNEL,
+    ),
     "Gemm": OpRule("conv_dense", {0: "kernel", 1: "kernel", 2: "bias"}),
     "MatMul": OpRule("conv_dense", {0: "kernel", 1: "kernel"}),
     "BatchNormalization": OpRule("norm", {1: "gamma", 2: "beta"}, stat_slots=(3, 4)),
@@ -137,8 +148,6 @@ OP_RULES: dict[str, OpRule] = {
     "ScatterND": OpRule(nondiff_slots=(1,)),
     "ScatterElements": OpRule(nondiff_slots=(1,)),
     "Pad": OpRule(nondiff_slots=(1, 2, 3)),
-    "Resize": OpRule(nondiff_slots=(1, 2, 3)),
-    "Upsample": OpRule(nondiff_slots=(1,)),
     "Split": OpRule(nondiff_slots=(1,)),
     "Squeeze": OpRule(nondiff_slots=(1,)),
     "Unsqueeze": OpRule(nondiff_slots=(1,)),
@@ -168,12 +177,50 @@ OP_RULES: dict[str, OpRule] = {
     "HardSwish": OpRule(gradient="rewrite", fix="rewrite as x * clip(x + 3, 0, 6) / 6"),
     "HardSigmoid": OpRule(gradient="rewrite", fix="rewrite as clip(alpha*x + beta, 0, 1)"),
     "Sum": OpRule(gradient="rewrite", fix="replace it by a chain of Add"),
+    "Elu": OpRule(gradient="rewrite", fix="rewrite as relu(x) + alpha * (exp(min(x, 0)) - 1)"),
+    "Selu": OpRule(gradient="rewrite", fix="rewrite as gamma * elu(x; alpha)"),
+    "Celu": OpRule(
+        gradient="rewrite", fix="rewrite as relu(x) + alpha * (exp(min(x, 0) / alpha) - 1)"
+    ),
+    "PRelu": OpRule(gradient="rewrite", fix="rewrite as relu(x) - slope * relu(-x)"),
     # no gradient builder in ORT 1.19.2, refused on the data path
     "GlobalMaxPool": OpRule(
         gradient=False, fix="replace it by MaxPool with kernel_shape = the spatial size"
     ),
     "Softplus": OpRule(gradient=False, fix="rewrite as log(1 + exp(x))"),
     "Atan": OpRule(gradient=False, fix="remove it from the trained path"),
+    "Einsum": OpRule(gradient=False, fix="write it as Transpose/Reshape + MatMul"),
+    "DepthToSpace": OpRule(gradient=False, fix="write it as Reshape + Transpose + Reshape"),
+    "SpaceToDepth": OpRule(gradient=False, fix="write it as Reshape + Transpose + Reshape"),
+    # a gradient builder, but its kernel is CUDA-only in 1.19.2 (no CPU ResizeGrad)
+    "Resize": OpRule(
+        nondiff_slots=(1, 2, 3),
+        gradient=False,
+        fix="upsample by an integer factor with Unsqueeze + Expand + Reshape (nearest)",
+        why=_NO_CPU_KERNEL,
+    ),
+    "Upsample": OpRule(
+        nondiff_slots=(1,),
+        gradient=False,
+        fix="upsample by an integer factor with Unsqueeze + Expand + Reshape (nearest)",
+        why=_NO_CPU_KERNEL,
+    ),
+    # recurrent layers: LSTMGrad/GRUGrad crash the process (SIGSEGV) unless both W and R get a
+    # gradient whenever the backward pass reaches the layer, which a tensor-level selection
+    # does not guarantee; RNN (and a bidirectional LSTM) have no CPU gradient at all
+    **{
+        op: OpRule(
+            gradient=False,
+            fix="unroll it into MatMul/Add/Sigmoid/Tanh per time step (a cell loop in the "
+            "exporting framework)",
+            why=why,
+        )
+        for op, why in (
+            ("LSTM", "crashes in its gradient unless all its weights train together"),
+            ("GRU", "crashes in its gradient unless all its weights train together"),
+            ("RNN", "has no gradient"),
+        )
+    },
     "LRN": OpRule(
         gradient="rewrite",
         fix="rewrite it as x / (bias + alpha / size * (sum of x^2 over size channels))^beta "

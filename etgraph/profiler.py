@@ -109,6 +109,7 @@ from . import graph
 from .artifacts import (
     ArtifactCache,
     inference_batch_norms,
+    no_gradient_error,
     placeholder_weights,
     save_baked,
     training_graphs,
@@ -380,6 +381,9 @@ def _ort_error(exc: Exception, batch: Batch) -> Exception:
     errors as they are."""
     if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
         return exc
+    unsupported = no_gradient_error(exc)
+    if unsupported is not None:
+        return unsupported
     shapes = {name: a.shape[1:] for name, a in batch.inputs.items()}
     size = next(iter(batch.inputs.values())).shape[0]
     return ModelError(

@@ -11,7 +11,7 @@ from helpers import make_model
 from onnx import helper, numpy_helper
 
 from etgraph.artifacts import ARTIFACT_FILES, ArtifactCache, generate, selection_key
-from etgraph.errors import ConfigError, ModelError
+from etgraph.errors import ConfigError, UnsupportedOpError
 from etgraph.onnx_io import legalize
 
 BATCH = 2
@@ -94,7 +94,11 @@ def test_generate_replaces_the_directory_and_a_failure_keeps_the_old_one(tmp_pat
 
     # an op without a gradient that legalisation would have refused: ORT's own failure
     softplus = [helper.make_node("Softplus", ["r"], ["s"], name="softplus")]
-    with pytest.raises(ModelError, match="^onnxruntime-training could not build the training"):
+    with pytest.raises(
+        UnsupportedOpError,
+        match="^node 'softplus' uses op Softplus, which has no gradient in onnxruntime-training "
+        "1.19.2: replace it on the trained path and re-export$",
+    ):
         generate(conv_bn_model(softplus, "s", legal=False), TRAINABLE, FROZEN, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the temporary is gone

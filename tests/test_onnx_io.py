@@ -33,7 +33,7 @@ from passes.onnx import (
     MaterializeWeightsPass,
     NameNodesPass,
     RefuseNoGradOpsPass,
-    RewriteHardActivationsPass,
+    RewriteActivationsPass,
     SelectOutputPass,
     TrimEvalBatchNormPass,
     eval_model_pipeline,
@@ -482,7 +482,7 @@ def test_rewrite_hard_activations_pass_computes_the_same(op, attrs, at_output):
         model = make_model(nodes, inits)
     else:
         model = conv_head([helper.make_node(op, ["c"], ["h"], name="hact", **attrs)], "h")
-    out, modified = run_pass(RewriteHardActivationsPass(), model)
+    out, modified = run_pass(RewriteActivationsPass(), model)
     assert modified and op not in {n.op_type for n in out.graph.node}
     assert {n.name for n in out.graph.node if n.name.startswith("hact/")} >= {"hact/Clip"}
     assert [i.name for i in out.graph.initializer] == [i.name for i in model.graph.initializer]
@@ -490,7 +490,35 @@ def test_rewrite_hard_activations_pass_computes_the_same(op, attrs, at_output):
     onnx.checker.check_model(out)
     x = sample()
     np.testing.assert_allclose(ort_run(out, x), ort_run(model, x), rtol=1e-5, atol=1e-5)
-    assert run_pass(RewriteHardActivationsPass(), out)[1] is False
+    assert run_pass(RewriteActivationsPass(), out)[1] is False
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        ("Elu", {}),
+        ("Elu", {"alpha": 0.5}),
+        ("Selu", {}),
+        ("Selu", {"alpha": 1.2, "gamma": 0.9}),
+        ("Celu", {}),
+        ("Celu", {"alpha": 2.0}),
+        ("PRelu", {}),
+    ],
+)
+def test_rewrite_exponential_activations_and_prelu_compute_the_same(op, attrs):
+    inputs = ["c", "slope"] if op == "PRelu" else ["c"]
+    model = conv_head([helper.make_node(op, inputs, ["h"], name="act", **attrs)], "h")
+    if op == "PRelu":  # one slope per channel, negative ones included
+        model.graph.initializer.append(random_initializer("slope", (6, 1, 1), seed=5, scale=1.0))
+    out, modified = run_pass(RewriteActivationsPass(), model)
+    assert modified and op not in {n.op_type for n in out.graph.node}
+    assert {n.op_type for n in out.graph.node} >= {"Relu", "Neg"}
+    onnx.checker.check_model(out)
+    for seed in (1, 2):  # the conv output has both signs
+        x = sample(seed=seed)
+        np.testing.assert_allclose(ort_run(out, x), ort_run(model, x), rtol=1e-5, atol=1e-5)
+    # a trainable slope is read by a Mul now: frozen, as the module docstring says
+    assert [i.name for i in out.graph.initializer] == [i.name for i in model.graph.initializer]
 
 
 @pytest.mark.parametrize("terms", [1, 2, 3])
@@ -587,7 +615,7 @@ def test_pipeline_order_can_be_printed():
         "NameNodesPass",
         "AddOptionalOutputsPass",
         "TrainableBatchNormPass",
-        "RewriteHardActivationsPass",
+        "RewriteActivationsPass",
         "RewriteAveragePoolPass",
         "RewriteLrnPass",
         "ExpandSumPass",

@@ -23,7 +23,8 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 11. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
 12. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
     running mean/var outputs;
-13. :class:`RewriteHardActivationsPass` — HardSwish, HardSigmoid -> Add/Mul/Div/Clip;
+13. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
+    with gradients (Add/Sub/Mul/Div/Clip/Relu/Neg/Exp);
 14. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
     (ORT's AveragePoolGrad fails at a symbolic batch);
 15. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
@@ -68,7 +69,7 @@ from .io_names import OUTPUTS_KEY, SOURCE_KEY, SelectOutputPass
 from .node_names import NameNodesPass
 from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
-from .rewrite_no_grad_ops import ExpandSumPass, RewriteHardActivationsPass
+from .rewrite_no_grad_ops import ExpandSumPass, RewriteActivationsPass
 from .rewrite_windows import RewriteAveragePoolPass, RewriteLrnPass
 from .training_model import DropUnusedOptionalOutputsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
@@ -97,7 +98,7 @@ __all__ = [
     "RemoveSoftmaxHeadPass",
     "RestoreHeadPass",
     "RewriteAveragePoolPass",
-    "RewriteHardActivationsPass",
+    "RewriteActivationsPass",
     "RewriteLrnPass",
     "SelectOutputPass",
     "TrainableBatchNormPass",
@@ -132,7 +133,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             NameNodesPass(),
             AddOptionalOutputsPass(),
             TrainableBatchNormPass(),
-            RewriteHardActivationsPass(source),
+            RewriteActivationsPass(source),
             RewriteAveragePoolPass(source),
             RewriteLrnPass(source),
             ExpandSumPass(source),

@@ -35,8 +35,8 @@ class RefuseNoGradOpsPass(InPlacePass):
     nothing).
 
     Raises (from ``call``):
-        UnsupportedOpError: ``<source>: node '<name>' uses op <Op>, which has no gradient in
-            onnxruntime-training 1.19.2; <fix> and re-export``.
+        UnsupportedOpError: ``<source>: node '<name>' uses op <Op>, which <why> in
+            onnxruntime-training 1.19.2; <fix> and re-export`` (registry ``why`` and ``fix``).
     """
 
     def __init__(self, source: str = "model"):
@@ -66,7 +66,7 @@ class RefuseNoGradOpsPass(InPlacePass):
                 if i not in rule.nondiff_slots
             ):
                 raise UnsupportedOpError(
-                    f"{self.source}: node {node.name!r} uses op {node.op_type}, which has no "
-                    f"gradient in onnxruntime-training 1.19.2; {rule.fix} and re-export"
+                    f"{self.source}: node {node.name!r} uses op {node.op_type}, which "
+                    f"{rule.why} in onnxruntime-training 1.19.2; {rule.fix} and re-export"
                 )
         return PassResult(model, modified=False)

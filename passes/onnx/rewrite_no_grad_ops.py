@@ -5,6 +5,10 @@ The registry (:mod:`etgraph.ops`) marks them ``gradient="rewrite"``:
 * HardSwish ``y = x * clip(x + 3, 0, 6) / 6`` and HardSigmoid ``y = clip(alpha * x + beta, 0,
   1)``: onnxscript pattern-rewrite rules (:class:`HardSwishRule`, :class:`HardSigmoidRule`),
   the inverse of onnxscript's own HardSwish fusion;
+* Elu ``y = relu(x) + alpha * (exp(-relu(-x)) - 1)``, Selu ``y = gamma * elu(x; alpha)``, Celu
+  ``y = relu(x) + alpha * (exp(-relu(-x) / alpha) - 1)`` and PRelu ``y = relu(x) - slope *
+  relu(-x)`` (:class:`EluRule`, :class:`SeluRule`, :class:`CeluRule`, :class:`PReluRule`): exact
+  for every x; a PRelu slope is then read by a Mul, so it stays frozen (not a trainable tensor);
 * variadic Sum ``Sum(a, b, c)`` -> ``Add(Add(a, b), c)``: built with onnx_ir nodes (a pattern
   has a fixed number of inputs).
 
@@ -26,7 +30,16 @@ from onnx_ir.convenience import replace_nodes_and_values
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 from onnxscript.rewriter import pattern
 
-__all__ = ["ExpandSumPass", "HardSigmoidRule", "HardSwishRule", "RewriteHardActivationsPass"]
+__all__ = [
+    "CeluRule",
+    "EluRule",
+    "ExpandSumPass",
+    "HardSigmoidRule",
+    "HardSwishRule",
+    "PReluRule",
+    "RewriteActivationsPass",
+    "SeluRule",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +87,102 @@ class HardSigmoidRule(pattern.RewriteRuleClassBase):
         return op.Clip(axb, zero, one, _name=f"{p}/Clip")
 
 
+def _negative_part(op, p: str, x: ir.Value) -> ir.Value:
+    """``min(x, 0)`` as ``-relu(-x)`` (Neg and Relu have gradients; Min's is not needed)."""
+    neg = op.Neg(x, _name=f"{p}/Neg", _outputs=[f"{p}/neg_x"])
+    relu_neg = op.Relu(neg, _name=f"{p}/ReluNeg", _outputs=[f"{p}/relu_neg_x"])
+    return op.Neg(relu_neg, _name=f"{p}/NegRelu", _outputs=[f"{p}/min_x_0"])
+
+
+def _elu(op, p: str, x: ir.Value, alpha: float, scale: float = 1.0) -> tuple[ir.Value, ir.Value]:
+    """The two terms of ``relu(x) + alpha * (exp(min(x, 0) / scale) - 1)``: Elu (scale 1) and
+    Celu (scale alpha); exact, since exp(0) - 1 = 0 where x >= 0."""
+    m = _negative_part(op, p, x)
+    if scale != 1.0:
+        m = op.Div(m, _constant(op, p, "scale", scale, x), _name=f"{p}/Div", _outputs=[f"{p}/m"])
+    e = op.Exp(m, _name=f"{p}/Exp", _outputs=[f"{p}/exp_m"])
+    em1 = op.Sub(e, _constant(op, p, "one", 1.0, x), _name=f"{p}/Sub", _outputs=[f"{p}/expm1"])
+    neg = op.Mul(em1, _constant(op, p, "alpha", alpha, x), _name=f"{p}/Mul", _outputs=[f"{p}/n"])
+    pos = op.Relu(x, _name=f"{p}/Relu", _outputs=[f"{p}/relu_x"])
+    return pos, neg
+
+
+class EluRule(pattern.RewriteRuleClassBase):
+    """Elu(x; alpha) -> Add(Relu(x), Mul(Sub(Exp(-Relu(-x)), 1), alpha))."""
+
+    def pattern(self, op, x):
+        return op.Elu(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def rewrite(self, op, x: ir.Value, y: ir.Value):
+        node = y.producer()
+        p = node.name
+        pos, neg = _elu(op, p, x, node.attributes.get_float("alpha", 1.0))
+        return op.Add(pos, neg, _name=f"{p}/Add")
+
+
+class CeluRule(pattern.RewriteRuleClassBase):
+    """Celu(x; alpha) -> Add(Relu(x), Mul(Sub(Exp(-Relu(-x) / alpha), 1), alpha))."""
+
+    def pattern(self, op, x):
+        return op.Celu(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def rewrite(self, op, x: ir.Value, y: ir.Value):
+        node = y.producer()
+        p = node.name
+        alpha = node.attributes.get_float("alpha", 1.0)
+        pos, neg = _elu(op, p, x, alpha, scale=alpha)
+        return op.Add(pos, neg, _name=f"{p}/Add")
+
+
+class SeluRule(pattern.RewriteRuleClassBase):
+    """Selu(x; alpha, gamma) -> Mul(Elu(x; alpha), gamma), Elu as in :class:`EluRule`."""
+
+    def pattern(self, op, x):
+        return op.Selu(x, _allow_other_attributes=True, _outputs=["y"])
+
+    def rewrite(self, op, x: ir.Value, y: ir.Value):
+        node = y.producer()
+        p = node.name
+        alpha = node.attributes.get_float("alpha", 1.67326319217681884765625)  # ONNX defaults
+        gamma = node.attributes.get_float("gamma", 1.05070102214813232421875)
+        pos, neg = _elu(op, p, x, alpha)
+        elu = op.Add(pos, neg, _name=f"{p}/Add", _outputs=[f"{p}/elu"])
+        gamma = _constant(op, p, "gamma", gamma, x)
+        return op.Mul(elu, gamma, _name=f"{p}/MulGamma")
+
+
+class PReluRule(pattern.RewriteRuleClassBase):
+    """PRelu(x, slope) -> Sub(Relu(x), Mul(slope, Relu(-x)))."""
+
+    def pattern(self, op, x, slope):
+        return op.PRelu(x, slope, _outputs=["y"])
+
+    def rewrite(self, op, x: ir.Value, slope: ir.Value, y: ir.Value):
+        p = y.producer().name
+        pos = op.Relu(x, _name=f"{p}/Relu", _outputs=[f"{p}/relu_x"])
+        neg = op.Neg(x, _name=f"{p}/Neg", _outputs=[f"{p}/neg_x"])
+        relu_neg = op.Relu(neg, _name=f"{p}/ReluNeg", _outputs=[f"{p}/relu_neg_x"])
+        scaled = op.Mul(slope, relu_neg, _name=f"{p}/Mul", _outputs=[f"{p}/slope_relu_neg_x"])
+        return op.Sub(pos, scaled, _name=f"{p}/Sub")
+
+
 def _remaining(model: ir.Model, op_types: tuple[str, ...]) -> list[str]:
     return [n.name for n in model.graph if n.domain == "" and n.op_type in op_types]
 
 
-class RewriteHardActivationsPass(InPlacePass):
-    """Rewrite HardSwish and HardSigmoid into Add/Mul/Div/Clip with Constant nodes (onnxscript
-    rewrite rules)."""
+class RewriteActivationsPass(InPlacePass):
+    """Rewrite HardSwish, HardSigmoid, Elu, Selu, Celu and PRelu into ops with gradients
+    (Add/Sub/Mul/Div/Clip/Relu/Neg/Exp with Constant nodes; onnxscript rewrite rules)."""
 
-    OP_TYPES = ("HardSwish", "HardSigmoid")
+    OP_TYPES = ("HardSwish", "HardSigmoid", "Elu", "Selu", "Celu", "PRelu")
 
     def __init__(self, source: str = "model"):
         super().__init__()
         self.source = source
-        self.rules = (HardSwishRule.rule(), HardSigmoidRule.rule())
+        self.rules = tuple(
+            rule.rule()
+            for rule in (HardSwishRule, HardSigmoidRule, EluRule, SeluRule, CeluRule, PReluRule)
+        )
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
