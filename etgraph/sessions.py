@@ -206,12 +206,29 @@ def inference_session(
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
+def class_logits(outputs: np.ndarray) -> np.ndarray:
+    """A classifier's output as logits [B, K]: unit dims after K dropped (the ``[B, K, 1, 1]``
+    of a 1x1-conv classifier, restored on the exported model by
+    :class:`passes.onnx.RestoreHeadPass`).
+
+    Raises:
+        ValueError: a dim after K is not 1 (not a classifier's output).
+    """
+    if outputs.ndim > 2:
+        if any(d != 1 for d in outputs.shape[2:]):
+            raise ValueError(f"output of shape {list(outputs.shape)} is not [B, K] logits")
+        return outputs.reshape(outputs.shape[:2])
+    return outputs
+
+
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
     """Sum of cross-entropy losses and number of correct argmax predictions.
 
     Args:
-        logits: float [B, K]. labels: int [B] in [0, K).
+        logits: float [B, K] (or [B, K, 1, ...], :func:`class_logits`). labels: int [B] in
+            [0, K).
     """
+    logits = class_logits(logits)
     z = logits.astype(np.float64)
     z = z - z.max(axis=1, keepdims=True)
     log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
@@ -342,7 +359,7 @@ class TrainingSession:
         self.optimizer.set_learning_rate(learning_rate)
         loss, outputs = self.step(x, y)
         if self.loss == "ce":
-            return float(loss), int((outputs.argmax(axis=1) == y).sum())
+            return float(loss), int((class_logits(outputs).argmax(axis=1) == y).sum())
         return float(loss), score(self.loss, outputs, y)[1]
 
     def evaluate(self, batches, batch_size: int) -> tuple[float, float]:

@@ -21,7 +21,7 @@ from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.graph import build_tensor_graph
 from etgraph.model import LoadedModel, input_shapes, parse_input_shapes
 from etgraph.onnx_io import legalize, load_model, model_hash, restore_exported
-from etgraph.sessions import TrainingSession
+from etgraph.sessions import TrainingSession, evaluate_onnx
 from passes.base import describe_pipeline, run_passes
 from passes.onnx import (
     MAX_IR_VERSION,
@@ -806,6 +806,16 @@ def test_conv_classifier_output_is_flattened_and_restored_on_export(tmp_path, so
     onnx.checker.check_model(restored, full_check=True)
     assert len({n.name for n in restored.graph.node}) == len(restored.graph.node)
     np.testing.assert_allclose(ort_run(restored, x), ort_run(original, x), rtol=1e-5, atol=1e-6)
+    if softmax:
+        return
+    # the exported [B, K, 1, 1] model is scored as [B, K] logits: the same loss and accuracy
+    xs = np.concatenate([sample(seed=s) for s in range(4)])
+    logits = ort_run(legal, xs)
+    labels = logits.argmax(axis=1)
+    batches = [(xs, labels), (xs, (labels + 1) % 4)]  # all right, then all wrong
+    scored = evaluate_onnx(path, batches, 4)
+    expected = evaluate_onnx(save_model(legal, tmp_path, "legal.onnx"), batches, 4)
+    assert scored == pytest.approx(expected) and scored[1] == pytest.approx(0.5)
 
 
 def test_output_that_is_not_b_by_k_is_one_line(tmp_path):
