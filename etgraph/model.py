@@ -501,11 +501,19 @@ def task_of(model: onnx.ModelProto, loss: str = "ce") -> Task:
 
     Raises:
         ConfigError: ``loss`` is not one of :data:`LOSSES`.
-        ModelError: the output is not ``[B, K]`` (ce) or ``[B, D]`` (mse).
+        ModelError: the output is not ``[B, K]`` (ce) or ``[B, D]`` (mse), or not float32
+            (onnxruntime-training 1.19.2's loss and optimizer blocks are float32).
     """
     if loss not in LOSSES:
         raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
     output = model.graph.output[0]
+    elem_type = output.type.tensor_type.elem_type
+    if elem_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.UNDEFINED):
+        raise ModelError(
+            f"output {output.name!r} is {onnx.TensorProto.DataType.Name(elem_type).lower()}; "
+            "onnxruntime-training 1.19.2 trains float32 models: export the model in float32 "
+            "(torch: model.float())"
+        )
     dims = output.type.tensor_type.shape.dim
     if output.type.tensor_type.HasField("shape") and len(dims) != 2:
         shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]

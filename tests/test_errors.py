@@ -80,6 +80,18 @@ def lstm_classifier() -> onnx.ModelProto:
     return model
 
 
+def half_precision(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its float32 weights, input and output in float16 (a valid model)."""
+    for i, init in enumerate(model.graph.initializer):
+        if init.data_type == TensorProto.FLOAT:
+            half = numpy_helper.to_array(init).astype(np.float16)
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(half, init.name))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
 def conv_classifier(
     middle: list[onnx.NodeProto] | None = None,
     middle_out: str = "c",
@@ -154,6 +166,7 @@ def bad_files(tmp_path_factory, tiny_cnn_onnx) -> dict[str, Path]:
             "m",
         ),
         "lstm": lstm_classifier(),
+        "float16": half_precision(conv_classifier()),
         "dynamic": conv_classifier(in_dims=("N", 3, "H", "W")),
         "dynamic_channels": conv_classifier(in_dims=("N", "C", "H", "W")),
     }
@@ -179,6 +192,7 @@ def bad_files(tmp_path_factory, tiny_cnn_onnx) -> dict[str, Path]:
         ("cumsum", ["'running_total'", "CumSum", "no gradient", "MatMul"]),
         # onnxruntime-training's LSTMGrad crashes the process unless W and R both train
         ("lstm", ["'recurrent'", "LSTM", "crashes", "unroll"]),
+        ("float16", ["output 'y' is float16", "float32", "model.float()"]),
         ("dynamic", ["symbolic", "--input-shape"]),
     ],
 )
