@@ -217,10 +217,14 @@ def test_opset_above_21_is_converted_or_refused(tmp_path):
     assert legal.opset_import[0].version <= 21
 
 
-def test_opset_13_inference_batch_norm_is_upgraded_and_generates_artifacts(tmp_path):
+@pytest.mark.parametrize(
+    "outputs", [["n"], ["n", "mean_out", "var_out", "saved_mean", "saved_var"]]
+)
+def test_opset_13_batch_norm_is_upgraded_and_generates_artifacts(tmp_path, outputs):
     """paddle2onnx writes opset 13, whose BatchNormalization has no training form (3 outputs
-    are refused by ORT's opset-9 schema): such a model is converted to opset 17 first."""
-    bn = helper.make_node("BatchNormalization", ["c", "g", "be", "mu", "var"], ["n"], name="bn")
+    are refused by ORT's opset-9 schema): such a model is converted to opset 17 first. A torch
+    TRAINING export at opset 11-13 names all 5 outputs; the two opset 14 removed go first."""
+    bn = helper.make_node("BatchNormalization", ["c", "g", "be", "mu", "var"], outputs, name="bn")
     model = conv_head([bn], "n")
     model.graph.initializer.extend(
         numpy_helper.from_array(np.full(6, v, np.float32), name)

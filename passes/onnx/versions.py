@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import onnx
 import onnx_ir as ir
 from onnx import helper, version_converter
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
@@ -48,6 +49,18 @@ def default_opset(model: ir.Model) -> int:
     return model.opset_imports.get("", 0)
 
 
+def _drop_saved_batch_statistics(graph: onnx.GraphProto) -> None:
+    """Drop the unused ``saved_mean`` / ``saved_var`` outputs (4th and 5th) of opset < 14
+    BatchNormalization nodes: a torch TRAINING export names them, nothing reads them, and onnx's
+    13 -> 14 adapter refuses any node that has them (opset 14 removed them)."""
+    read = {v for node in graph.node for v in node.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        while len(node.output) > 3 and node.output[-1] not in read:
+            node.output.pop()
+
+
 class ConvertOpsetPass(InPlacePass):
     """Convert a default-domain opset above 21 down to 21, or below 14 up to 17 (onnx's version
     converter; the IR version is raised to what the new opset needs).
@@ -75,8 +88,11 @@ class ConvertOpsetPass(InPlacePass):
         if self.min_opset <= opset <= self.max_opset or opset == 0:
             return PassResult(model, modified=False)
         target = self.max_opset if opset > self.max_opset else self.upgrade_opset
+        proto = ir.to_proto(model)
+        if opset < 14 <= target:
+            _drop_saved_batch_statistics(proto.graph)
         try:
-            converted = version_converter.convert_version(ir.to_proto(model), target)
+            converted = version_converter.convert_version(proto, target)
         except Exception as exc:  # onnx raises RuntimeError, ConvertError, InferenceError
             newer = opset > self.max_opset
             raise ModelError(
