@@ -237,6 +237,31 @@ def test_opset_13_batch_norm_is_upgraded_and_generates_artifacts(tmp_path, outpu
     assert generate(loaded.proto, trainable, frozen, tmp_path / "art").exists()
 
 
+def test_input_read_by_batch_norm_and_concat_trains(tmp_path):
+    """x -> BatchNormalization and x -> Concat: ORT's BatchNormalizationGrad names its input
+    gradient x_grad, Concat's gradient too ("Duplicate definition of name (x_grad)"); behind an
+    Identity the model generates artifacts and computes the same."""
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "g", "be", "mu", "var"], ["n"], name="bn"),
+        helper.make_node("Concat", ["n", "x"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["y"], name="flat"),
+    ]
+    inits = [random_initializer("w", (4, 6, 3, 3), 1), random_initializer("b", (4,), 2)]
+    inits += [
+        numpy_helper.from_array(np.full(3, v, np.float32), name)
+        for name, v in (("g", 1.5), ("be", 0.1), ("mu", 0.2), ("var", 2.0))
+    ]
+    original = make_model(nodes, inits)
+    loaded = LoadedModel.load(save_model(original, tmp_path))
+    bn = next(n for n in loaded.proto.graph.node if n.op_type == "BatchNormalization")
+    assert bn.input[0] == "bn/input"
+    trainable, frozen = loaded.split(np.ones(len(loaded.tensors), bool))
+    assert generate(loaded.proto, trainable, frozen, tmp_path / "art").exists()
+    assert run_passes(legalization_pipeline(), ir.from_proto(loaded.proto)).modified is False
+
+
 def test_shared_and_aliased_weights_get_one_tensor_per_layer(tmp_path):
     """An eval-mode torch export deduplicates identical folded biases: one initializer read by
     several convolutions, directly or through Identity. Each layer gets its own tensor, and the
@@ -619,6 +644,7 @@ def test_pipeline_order_can_be_printed():
         "NameNodesPass",
         "AddOptionalOutputsPass",
         "TrainableBatchNormPass",
+        "IsolateInputNormPass",
         "RewriteActivationsPass",
         "RewriteAveragePoolPass",
         "RewriteLrnPass",

@@ -23,13 +23,16 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 11. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
 12. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
     running mean/var outputs;
-13. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
+13. :class:`IsolateInputNormPass` — a graph input read by a normalisation layer and other
+    nodes reaches the normalisation layer through an Identity (ORT's BatchNormalizationGrad
+    would define ``<input>_grad`` twice);
+14. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
     with gradients (Add/Sub/Mul/Div/Clip/Relu/Neg/Exp);
-14. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
+15. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
     (ORT's AveragePoolGrad fails at a symbolic batch);
-15. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
-16. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-17. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+16. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
+17. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+18. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
 :func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
@@ -65,6 +68,7 @@ from .batch_norm import (
 )
 from .eval_model import TrimEvalBatchNormPass
 from .head import HEAD_KEY, FlattenClassOutputPass, RemoveSoftmaxHeadPass, RestoreHeadPass
+from .input_norm import IsolateInputNormPass
 from .io_names import OUTPUTS_KEY, SOURCE_KEY, SelectOutputPass
 from .node_names import NameNodesPass
 from .optional_outputs import AddOptionalOutputsPass
@@ -91,6 +95,7 @@ __all__ = [
     "FlattenClassOutputPass",
     "FreeBatchDimPass",
     "InferenceBatchNormPass",
+    "IsolateInputNormPass",
     "LowerIrVersionPass",
     "MaterializeWeightsPass",
     "NameNodesPass",
@@ -133,6 +138,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             NameNodesPass(),
             AddOptionalOutputsPass(),
             TrainableBatchNormPass(),
+            IsolateInputNormPass(),
             RewriteActivationsPass(source),
             RewriteAveragePoolPass(source),
             RewriteLrnPass(source),
