@@ -7,6 +7,8 @@ last checks that what onnx_ir writes loads in ORT 1.19.2 and that legalisation i
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -260,6 +262,36 @@ def test_input_read_by_batch_norm_and_concat_trains(tmp_path):
     trainable, frozen = loaded.split(np.ones(len(loaded.tensors), bool))
     assert generate(loaded.proto, trainable, frozen, tmp_path / "art").exists()
     assert run_passes(legalization_pipeline(), ir.from_proto(loaded.proto)).modified is False
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shared_weights_warn_when_tied(tmp_path, caplog, tied):
+    """A shared constant-valued bias is an exporter's deduplication (untied at info); shared
+    arbitrary values are tied weights: untied with a warning that says the tie is gone."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["c1", "w2", "b"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["y"], name="flat"),
+    ]
+    b = (
+        random_initializer("b", (6,), 3)
+        if tied
+        else numpy_helper.from_array(np.zeros(6, np.float32), "b")
+    )
+    inits = [
+        random_initializer("w1", (6, 3, 3, 3), 1),
+        random_initializer("w2", (6, 6, 3, 3), 2),
+        b,
+    ]
+    with caplog.at_level(logging.INFO, logger="passes.onnx.weights"):
+        load_model(save_model(make_model(nodes, inits, out_shape=(1, 6)), tmp_path))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == (
+        ["tensor 'b' 6 is read by 2 layers (tied weights): etgraph trains one copy per layer, so "
+         "the trained model no longer ties them"] if tied else []
+    )  # fmt: skip
+    assert any("untied" in r.getMessage() for r in caplog.records) != tied
 
 
 def test_shared_and_aliased_weights_get_one_tensor_per_layer(tmp_path):

@@ -114,8 +114,13 @@ class UntieSharedWeightsPass(InPlacePass):
     each convolution, and the folded biases of a freshly initialised model are all zeros, so one
     bias tensor serves several convolutions (seen: 10 tensors shared by 3-8 layers in a
     MobileNetV2). etgraph's tensors are one layer's each (paper §5: a tensor's ``t_dw`` is its
-    layer's), so the second and later uses read a copy named ``<name>/<node>``. Genuinely tied
-    weights are untied too; the copies then train apart (logged).
+    layer's), so the second and later uses read a copy named ``<name>/<node>``.
+
+    Genuinely tied weights (one parameter used by several layers: a weight-tied embedding and
+    output layer, a block applied twice) are untied too, and the copies then train apart: the
+    trained model no longer ties them. That is said as a warning whenever the shared values are
+    not all equal (an exporter deduplicates constant-valued tensors — zeros, ones — and only a
+    tie shares arbitrary values); a constant-valued share is logged at info.
     """
 
     def call(self, model: ir.Model) -> PassResult:
@@ -137,7 +142,19 @@ class UntieSharedWeightsPass(InPlacePass):
                 graph.register_initializer(copy)
                 node.replace_input_with(index, copy)
                 copies += 1
-            log.info("initializer %r read by %d layers: untied (one copy each)", name, len(slots))
+            values = original.const_value.numpy()
+            if values.size and np.all(values == values.flat[0]):
+                log.info(
+                    "initializer %r read by %d layers: untied (one copy each)", name, len(slots)
+                )
+            else:
+                log.warning(
+                    "tensor %r %s is read by %d layers (tied weights): etgraph trains one copy "
+                    "per layer, so the trained model no longer ties them",
+                    name,
+                    "x".join(map(str, values.shape)),
+                    len(slots),
+                )
         return PassResult(model, modified=copies > 0)
 
     def ensures(self, model: ir.Model) -> None:
