@@ -16,6 +16,7 @@ Pure arithmetic on what :mod:`etgraph.measure` measured (no ORT here):
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -151,28 +152,37 @@ def split_by_measurement(observations: Sequence[tuple[frozenset[str], float]]) -
     return {p: float(v) for p, v in zip(parts, x, strict=True)}
 
 
+_GRAD_SUFFIX = re.compile(r"_grad(_\d+)?$")
+
+
 def _split_targets(
-    charge: Charge, outputs: Sequence[str], index: Mapping[str, int]
+    charge: Charge,
+    outputs: Sequence[str],
+    index: Mapping[str, int],
+    values: Mapping[str, Sequence[str]],
 ) -> dict[str, tuple[str, int | None]]:
     """``{part: (kind, tensor index)}`` of a split charge: dX -> ``t_dy`` of the charge's
-    ``dy_tensor`` (forward pass when None), dW/dB -> ``t_dw`` of the tensor whose gradient the
-    node's dW/dB output is (``<tensor>_grad``), which must be in ``dw_tensors``.
+    ``dy_tensor`` (forward pass when None), dW/dB -> ``t_dw`` of the tensor in ``dw_tensors``
+    whose gradient the node's dW/dB output is: ORT names it ``<value>_grad`` (``_grad_<k>``
+    when the value has several readers), the value being the tensor itself or one it carries
+    into its layer (``values``: a Transpose of it, or the kernel a weight-norm Mul computes).
 
     Raises:
-        ModelError: a dW/dB output is not the gradient of one of ``dw_tensors``.
+        ModelError: a dW/dB output is not the gradient of exactly one of ``dw_tensors``.
     """
     targets = {"dx": ("dy", index[charge.dy_tensor]) if charge.dy_tensor else ("forward", None)}
     for i, part in op_rule(charge.op_type).fused_grad.items():
         value = outputs[i] if i < len(outputs) else ""
         if part == "dx" or not value:
             continue
-        name = value.removesuffix("_grad")
-        if name not in charge.dw_tensors or name not in index:
+        base = _GRAD_SUFFIX.sub("", value)
+        owners = [t for t in charge.dw_tensors if t == base or base in values.get(t, ())]
+        if len(owners) != 1 or owners[0] not in index:
             raise ModelError(
                 f"split node {charge.node!r}: output {value!r} is not the gradient of one of "
                 f"{list(charge.dw_tensors)}"
             )
-        targets[part] = ("dw", index[name])
+        targets[part] = ("dw", index[owners[0]])
     return targets
 
 
@@ -203,6 +213,7 @@ def charge_node_times(
     charges: Mapping[str, Charge],
     names: Sequence[str],
     node_overhead_us: float,
+    values: Mapping[str, Sequence[str]] | None = None,
 ) -> ChargedTimes:
     """Charge the ``full`` configuration's node times (kernel + per-node overhead, µs) to
     tensors (paper §5; shared design "Charging rule").
@@ -218,6 +229,9 @@ def charge_node_times(
         charges: :func:`etgraph.graph.charges` of the full training graph.
         names: trainable tensor names, forward order, length N.
         node_overhead_us: executor cost per node, µs.
+        values: tensor name -> the value names that carry it into its layer
+            (:attr:`etgraph.model.TensorInfo.values`), to find whose gradient a split node's
+            dW/dB output is; None: each tensor's own name only.
 
     Raises:
         ModelError: a profiled node is not in the tensor graph, or a split node's outputs do not
@@ -260,7 +274,7 @@ def charge_node_times(
             if other is not None:
                 observations.append((fused_grad_parts(other.op, other.outputs), other.us))
         parts = split_by_measurement(observations)
-        targets = _split_targets(charge, nt.outputs, index)
+        targets = _split_targets(charge, nt.outputs, index, values or {})
         first = "dx" if "dx" in parts else next(iter(parts))
         for part, us in parts.items():
             kind, tensor = targets[part]

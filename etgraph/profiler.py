@@ -712,7 +712,8 @@ def _fold(
                 model_b, training_model=measured.full_training_model, loss=loss
             )
         )
-    charged = charge_node_times(node_times, charges, names, node_overhead)
+    carried = {t.name: t.values for t in model.tensors}
+    charged = charge_node_times(node_times, charges, names, node_overhead, carried)
     t_dw = charged.t_dw_us + opt_fit.tensor_us(numel)
     t_dy = charged.t_dy_us
     forward_pass = charged.forward_pass_us

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import onnx
 import pytest
+from helpers import make_model, random_initializer, save_model
 from onnx import TensorProto, helper
 
 from etgraph import artifacts, graph, onnx_io, timing
@@ -751,3 +752,39 @@ def test_a_profile_measured_while_other_work_filled_the_cores_says_so(
     with caplog.at_level("WARNING", logger="etgraph.profiler"):
         busy = profile_model(default_model, batch_size=4, threads=1)
     assert busy.load_average == 40.0 and "profiled at load average 40.0" in caplog.text
+
+
+def test_conv_grad_of_a_computed_kernel_or_shared_bias_is_charged(tmp_path):
+    """A kernel computed from initializers (weight norm: w = v * g, exported unfolded) and a
+    bias read by the Conv and by an Add: ORT names the ConvGrad's dW output after the Mul's
+    output (``<mul>_grad``) and the dB output ``b_grad_0``. Both are charged to the tensors
+    that carry them (an internal error before)."""
+    nodes = [
+        helper.make_node("Mul", ["v", "g"], ["w"], name="weight_norm"),
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["b", "b_shape"], ["b4"], name="b_as_4d"),
+        helper.make_node("Add", ["c", "b4"], ["cb"], name="add_bias_again"),
+        helper.make_node("Relu", ["cb"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
+    ]
+    inits = [
+        random_initializer("v", (6, 3, 3, 3)),
+        random_initializer("g", (6, 1, 1, 1), 1),
+        random_initializer("b", (6,), 2),
+        onnx.numpy_helper.from_array(np.array([1, 6, 1, 1], np.int64), "b_shape"),
+        random_initializer("fw", (4, 6), 3),
+        random_initializer("fb", (4,), 4),
+    ]
+    model = make_model(nodes, inits, in_shape=("N", 3, 8, 8), out_shape=("N", 4))
+    loaded = LoadedModel.load(save_model(model, tmp_path))
+    prof = profile_model(loaded, threads=THREADS, cache_dir=tmp_path / "cache", clock=CLOCK)
+    split = next(r for r in prof.nodes if r["charge"] == "split")
+    # the computed kernel's dW goes to one of the tensors it is computed from (the layer's
+    # kernel by the conv_dense pass's D(o) rule), the bias's dB to the bias
+    assert split["parts"]["dw"]["tensor"] in {"v", "g"}
+    assert split["parts"]["db"]["tensor"] == "b"
+    kinds = dict(zip(prof.tensors, prof.kinds, strict=True))
+    assert kinds["b"] == "bias" and {kinds["v"], kinds["g"]} == {"kernel"}
+    assert all(prof.t_dw_us > 0)
