@@ -488,15 +488,16 @@ def compile_command(
 )
 @_tokenizer_option
 @click.option("--epochs", default=12, show_default=True, type=int, help="Training epochs.")
-@click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size.")
+@click.option(
+    "--batch-size", type=int, help="Batch size [4; train DIR: the batch size DIR was compiled for]."
+)
 @click.option("--lr", default=1e-4, show_default=True, type=float, help="Peak AdamW lr (cosine).")
 @click.option("--weight-decay", default=0.01, show_default=True, type=float, help="AdamW decay.")
 @click.option(
     "--rho",
-    default=0.5,
-    show_default=True,
     type=float,
-    help="Step time / full step (within ±5% once the closed loop has measured steps).",
+    help="Step time / full step (within ±5% once the closed loop has measured steps) "
+    "[0.5; train DIR: the rho DIR was compiled for].",
 )
 @click.option("--period", default=3, show_default=True, type=int, help="Epochs per re-selection.")
 @click.option(
@@ -589,6 +590,7 @@ def train_command(
             raise ConfigError("--resume DIR continues a run as configured: drop MODEL and --out")
         given = {"--preprocess": preset, "--mean": mean, "--std": std, "--scale": scale}
         given |= {"--channel-order": channel_order, "--frozen-bn": frozen_bn}
+        given |= {"--rho": rho, "--batch-size": batch_size}
         dropped = [name for name, value in given.items() if value is not None]
         if dropped:
             raise ConfigError(
@@ -599,8 +601,11 @@ def train_command(
         return
     if out is None:
         raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
+    plan = read_plan(model) if model is not None and Path(model).is_dir() else None
+    rho = rho if rho is not None else (plan or {}).get("rho", 0.5)
+    batch_size = batch_size if batch_size is not None else (plan or {}).get("batch_size", 4)
     preprocess, frozen_bn = train_settings(
-        read_plan(model) if model is not None and Path(model).is_dir() else None,
+        plan,
         preset=preset,
         mean=mean,
         std=std,

@@ -49,6 +49,13 @@ def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, pro
                    "--out", str(out), *QUICK)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bn-bias" in done.stdout and _epochs(out) == [1]
+    # rho and batch size default to the compiled plan's, not to the option defaults
+    (compiled / "plan.json").write_text(json.dumps({"rho": 0.7, "batch_size": 4}))
+    out = tmp_path / "run_planned"
+    done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert (config["rho"], config["batch_size"]) == (0.7, 4)
 
 
 @pytest.mark.slow
