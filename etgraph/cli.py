@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=args, prog_name="etgraph", standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("etgraph: interrupted", err=True)
+        click.echo(f"etgraph: interrupted{_resume_hint(args)}", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as exc:  # a bare command: its help, as asked
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:  # usage errors: one line too, click's exit code (2)
         hint = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) else ""
         click.echo(f"etgraph: error: {exc.format_message()}{hint}", err=True)
@@ -71,6 +74,14 @@ def main(argv: list[str] | None = None) -> None:
             raise
         click.echo(f"etgraph: error: {exc}", err=True)
         sys.exit(1)
+    except OSError as exc:  # the file system refused a path (permissions, a file in the way)
+        if debug or exc.filename is None:
+            raise
+        click.echo(
+            f"etgraph: error: {exc.filename}: {exc.strerror}: check the path and its permissions",
+            err=True,
+        )
+        sys.exit(1)
     except Exception as exc:  # a bug, not a user error: one line, the traceback with --debug
         if debug:
             raise
@@ -80,6 +91,21 @@ def main(argv: list[str] | None = None) -> None:
             err=True,
         )
         sys.exit(3)
+
+
+def _resume_hint(args: list[str]) -> str:
+    """For an interrupted ``etgraph train``: how to continue it (its ``--out`` or ``--resume``
+    directory, from the command line), else ""."""
+    if "train" not in args:
+        return ""
+    for flag in ("--out", "--resume"):
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg == flag and i + 1 < len(args) else None
+            if arg.startswith(f"{flag}="):
+                value = arg.split("=", 1)[1]
+            if value:
+                return f": continue from the last checkpoint with `etgraph train --resume {value}`"
+    return ""
 
 
 def _internal_cause(exc: BaseException) -> str:
@@ -312,11 +338,13 @@ def profile_command(
     clock,
 ):
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
+    from .files import ensure_writable_file
     from .model import LoadedModel, parse_input_shapes
     from .profile import default_cache_dir, format_shapes
     from .profiler import profile_model
 
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
+    ensure_writable_file(out, "-o")  # before measuring
     cache = None if no_cache else (cache_dir or default_cache_dir())
     prof = profile_model(
         LoadedModel.load(model, output=model_output, loss=loss or "ce"),
@@ -638,7 +666,7 @@ def train_command(
         deadline_s=parse_duration(deadline) if deadline is not None else None,
         memory_mb=memory_mb,
         spinning=spinning,
-    )
+    ).validate()  # before anything is measured
     # The data before the model is profiled: a data error must not wait for profiling.
     shapes = profile.input_shapes if profile is not None else input_shape or None
     dataset = load_run_data(config, loaded, loaded.input_shapes(shapes))
@@ -728,6 +756,7 @@ def _train_model(model, profile_path, input_shape, output, loss):
     The profile is the given or compiled one; None = measure it (after the data is loaded)."""
     from .data import DEFAULT_MODEL_PATH
     from .model import LoadedModel, parse_input_shapes
+    from .plan import PLAN_FILE
     from .profile import Profile, format_shapes
 
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
@@ -735,7 +764,15 @@ def _train_model(model, profile_path, input_shape, output, loss):
     compiled_loss = None
     if source.is_dir():
         if not (source / "model.onnx").is_file():
-            raise ModelError(f"{source} is not a compiled directory (no model.onnx)")
+            raise ModelError(
+                f"{source} is not a compiled directory (no model.onnx): pass an ONNX file, or "
+                f"compile one into it with etgraph compile MODEL -o {source}"
+            )
+        if not (source / PLAN_FILE).is_file():  # written last by compile
+            raise ModelError(
+                f"{source} is an unfinished compile (no {PLAN_FILE}): compile again with "
+                f"etgraph compile MODEL -o {source}"
+            )
         if (source / "profile.json").is_file():
             compiled_loss = Profile.load(source / "profile.json").loss
             if profile_path is None:

@@ -5,7 +5,8 @@
   see the old complete version or the new complete one, never a partial one.
 * :func:`atomic_directory` — the same for a directory (ORT training artifacts).
 * :func:`remove_temporaries` — delete what a killed writer left behind.
-* :func:`ensure_writable_dir` — the one check that an output directory can be written.
+* :func:`ensure_writable_dir` — the one check that an output directory can be written;
+  :func:`ensure_writable_file` the same for an output file.
 * :func:`append_jsonl` / :func:`read_jsonl` — the one JSON-lines log writer and reader.
 """
 
@@ -29,6 +30,7 @@ __all__ = [
     "atomic_directory",
     "atomic_target",
     "ensure_writable_dir",
+    "ensure_writable_file",
     "read_jsonl",
     "remove_temporaries",
     "temporary_prefix",
@@ -144,6 +146,20 @@ def ensure_writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:
             f"output directory {path} is not writable ({exc.strerror}): choose another with "
             f"{option}"
         ) from exc
+    return path
+
+
+def ensure_writable_file(path: str | os.PathLike, option: str = "-o") -> Path:
+    """Check, before the work that produces it, that a file can be written at ``path``: not a
+    directory, in a writable directory (created if needed).
+
+    Raises:
+        ConfigError: ``path`` is a directory, or its directory cannot be created or written.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: give {option} the path of a file")
+    ensure_writable_dir(path.parent, option)
     return path
 
 

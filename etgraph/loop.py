@@ -286,7 +286,9 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}"
             )
-        if self.memory_mb is not None and not (self.memory_mb > 0 and self.strategy == "elastic"):
+        if self.memory_mb is not None and not (
+            0 < self.memory_mb < math.inf and self.strategy == "elastic"
+        ):
             raise ConfigError(
                 f"--memory-mb must be positive and used with the elastic strategy, got "
                 f"{self.memory_mb} with {self.strategy!r}"

@@ -57,6 +57,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from .artifacts import ArtifactCache, check_frozen_bn
 from .errors import ConfigError, ModelError
+from .files import ensure_writable_dir
 from .host import host_description, physical_cores
 from .memory import (
     MemoryProfile,
@@ -351,6 +352,7 @@ def profile_memory(
     shape = image_input_shape(model, input_shapes)
     cache_path = None
     if cache_dir is not None:
+        ensure_writable_dir(cache_dir, "$ETGRAPH_CACHE")  # before measuring
         key = memory_key(model.hash, shape, batch_size, threads, frozen_bn=frozen_bn)
         cache_path = Path(cache_dir) / f"memory-{key}.json"
         if cache_path.is_file():

@@ -32,11 +32,12 @@ from . import artifacts, dumps, graph, memory_profiler, profile, profiler, selec
 from .artifacts import ArtifactCache, check_frozen_bn
 from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess
 from .errors import ConfigError
-from .files import ensure_writable_dir, write_json_atomic
+from .files import atomic_target, ensure_writable_dir, write_json_atomic
 from .importance import probe_importance
 from .memory import MemoryProfile
 from .model import LoadedModel, TensorInfo
 from .plan import PLAN_FILE
+from .rundir import check_not_run_dir
 from .text import check_text_options
 
 log = logging.getLogger(__name__)
@@ -170,14 +171,18 @@ def compile_model(
     check_batch_size(batch_size)
     check_frozen_bn(frozen_bn)
     preprocess = DEFAULT_PREPROCESS if preprocess is None else preprocess
-    if memory_mb is not None and not memory_mb > 0:
+    if memory_mb is not None and not 0 < memory_mb < float("inf"):
         raise ConfigError(f"--memory-mb must be a positive number of MiB, got {memory_mb}")
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
     out = ensure_writable_dir(out_dir, "-o")
+    check_not_run_dir(out, "-o")
 
     model = LoadedModel.load(source, output=output, loss=loss)
     shapes = model.input_shapes(input_shape)
-    onnx.save(model.proto, str(out / MODEL_FILE))
+    (out / PLAN_FILE).unlink(missing_ok=True)  # written last: a directory without it is not done
+    (out / MEMORY_FILE).unlink(missing_ok=True)  # an earlier compile's, with --memory-mb
+    with atomic_target(out / MODEL_FILE) as tmp:
+        onnx.save(model.proto, str(tmp))
     tensors = list(model.tensors)
     log.info("%s: %d trainable tensors, inputs %s", source.name, len(tensors), shapes)
 

@@ -115,6 +115,7 @@ from .artifacts import (
     training_graphs,
 )
 from .errors import ConfigError, ModelError, first_line
+from .files import ensure_writable_dir
 from .fold import (
     batch_norm_modes,
     calibrate,
@@ -253,6 +254,7 @@ def profile_model(
 
     cache_path = None
     if cache_dir is not None:
+        ensure_writable_dir(cache_dir, "--cache-dir or $ETGRAPH_CACHE")  # before measuring
         key = profile_key(model.hash, shapes, batch_size, threads, clock, loss, level)
         cache_path = Path(cache_dir) / f"{key}.json"
         if cache_path.is_file():

@@ -22,6 +22,7 @@ and, at worst, temporaries that :func:`remove_temporaries` deletes when the run 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,10 @@ from .errors import CheckpointError, ConfigError
 from .labels import CLASSES_FILE
 from .model import LoadedModel
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "COMPILED_FILES",
     "ARTIFACTS_DIR",
     "CHECKPOINT_FILE",
     "CURVES_FILE",
@@ -56,6 +60,7 @@ __all__ = [
     "append_log",
     "checkpoint_properties",
     "format_summary",
+    "check_not_run_dir",
     "prepare_run_dir",
     "read_log",
     "read_run_checkpoint",
@@ -183,20 +188,45 @@ class TrainResult:
 # ---- run.json and the directory ---------------------------------------------------------------
 
 
+#: Files that make a directory an ``etgraph compile`` output (plan.json, model.onnx).
+COMPILED_FILES = ("plan.json", "model.onnx")
+
+
 def prepare_run_dir(out: Path) -> Path:
-    """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`) and
-    not holding another run.
+    """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`), not
+    a compiled directory and not holding another run. A run that saved no checkpoint (it failed
+    or was stopped before its first period ended) kept nothing: the new run starts over there.
 
     Raises:
-        ConfigError: ``out`` cannot be written, or holds a run (continue it with ``--resume``).
+        ConfigError: ``out`` cannot be written, is a compiled directory (a run would overwrite
+            its profile and artifacts), or holds a run (continue it with ``--resume``).
     """
     files.ensure_writable_dir(out, "--out")
-    if (out / CHECKPOINT_FILE).exists() or (out / RUN_FILE).exists():
+    if any((out / name).exists() for name in COMPILED_FILES):
+        raise ConfigError(
+            f"{out} is a compiled directory (etgraph compile): train into another --out, "
+            f"e.g. {out / 'train'}"
+        )
+    if (out / CHECKPOINT_FILE).exists():
         raise ConfigError(
             f"{out} already holds a training run: continue it with `etgraph train --resume {out}` "
             "or choose another --out"
         )
+    if (out / RUN_FILE).exists():
+        log.info("%s holds a run that saved no checkpoint: starting it over", out)
     return out
+
+
+def check_not_run_dir(out: Path, option: str) -> None:
+    """Refuse to write a compiled directory over a training run (its profile and artifacts).
+
+    Raises:
+        ConfigError: ``out`` holds a training run.
+    """
+    if (out / CHECKPOINT_FILE).exists() or (out / RUN_FILE).exists():
+        raise ConfigError(
+            f"{out} holds a training run (etgraph train): choose another {option} to compile into"
+        )
 
 
 def write_run_file(
@@ -256,6 +286,11 @@ def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C,
         ConfigError: as ``load_config`` for an out-of-range setting.
     """
     path = out / RUN_FILE
+    if not out.is_dir():
+        raise CheckpointError(
+            f"{out} is not a run directory ({'a file' if out.exists() else 'it does not exist'}): "
+            "pass the --out directory of an earlier `etgraph train`"
+        )
     try:
         info = json.loads(path.read_text())
         config = load_config(info["config"])
@@ -264,6 +299,8 @@ def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C,
         raise CheckpointError(
             f"{out} holds no training run ({RUN_FILE} missing): start one with `etgraph train`"
         ) from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror}): check the path") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} is corrupt: start a new run") from exc
     if info.get("config_hash") != config.digest():

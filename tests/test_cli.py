@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import click
 import networkx as nx
 import pytest
 from helpers import run_cli
@@ -19,6 +20,28 @@ def test_version_and_help():
     out = run_cli("--help")
     assert out.returncode == 0
     assert "Usage" in out.stdout
+
+
+def test_bare_command_prints_its_help_not_an_error():
+    out = run_cli()
+    assert out.returncode == 2 and out.stdout.startswith("Usage: etgraph") and not out.stderr
+
+
+def test_interrupted_train_says_how_to_continue(monkeypatch, capsys, tmp_path):
+    """Ctrl-C (click's Abort) in `etgraph train`: exit 130 and the --resume command."""
+
+    def interrupted(*_, **__):
+        raise click.exceptions.Abort
+
+    monkeypatch.setattr(cli_module, "_train_model", interrupted)
+    with pytest.raises(SystemExit, match="130"):
+        cli_module.main(["train", "--out", str(tmp_path / "run"), "--epochs", "1"])
+    assert capsys.readouterr().err.strip() == (
+        "etgraph: interrupted: continue from the last checkpoint with "
+        f"`etgraph train --resume {tmp_path / 'run'}`"
+    )
+    assert cli_module._resume_hint(["compile", "-o", "x"]) == ""
+    assert cli_module._resume_hint(["train", "--resume=r"]).endswith("--resume r`")
 
 
 def test_internal_error_names_the_innermost_cause(monkeypatch, capsys, tmp_path):

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from helpers import run_cli
+from helpers import assert_user_error, run_cli
 
 QUICK = ["--max-steps-per-epoch", "4", "--max-val-batches", "4", "--quiet"]
 
@@ -45,12 +45,20 @@ def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, pro
     shutil.copy(default_model_path, compiled / "model.onnx")
     shutil.copy(profile_json, compiled / "profile.json")
     out = tmp_path / "run"
+    done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
+    assert_user_error(done, "unfinished compile (no plan.json)", "etgraph compile MODEL -o")
+    (compiled / "plan.json").write_text(json.dumps({"rho": 0.7, "batch_size": 4}))
     done = run_cli("train", str(compiled), "--strategy", "bn-bias", "--epochs", "1",
                    "--out", str(out), *QUICK)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bn-bias" in done.stdout and _epochs(out) == [1]
+    # training into the compiled directory would overwrite its profile and artifacts
+    done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(compiled), *QUICK)
+    assert_user_error(done, "is a compiled directory", "another --out")
+    # nor can a compile overwrite the run
+    done = run_cli("compile", "-o", str(out))
+    assert_user_error(done, "holds a training run", "another -o")
     # rho and batch size default to the compiled plan's, not to the option defaults
-    (compiled / "plan.json").write_text(json.dumps({"rho": 0.7, "batch_size": 4}))
     out = tmp_path / "run_planned"
     done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -84,6 +92,9 @@ def test_train_usage_errors(tmp_path):
     assert missing_out.returncode == 1 and "--out" in missing_out.stderr
     no_model = run_cli("train", str(tmp_path / "nope.onnx"), "--out", str(tmp_path / "o"))
     assert no_model.returncode == 1 and "does not exist" in no_model.stderr
+    no_run = run_cli("train", "--resume", str(tmp_path / "nowhere"))
+    assert no_run.returncode == 1 and "not a run directory (it does not exist)" in no_run.stderr
+    (tmp_path / "empty").mkdir()
     no_run = run_cli("train", "--resume", str(tmp_path / "empty"))
     assert no_run.returncode == 1 and "no training run" in no_run.stderr
     bad_strategy = run_cli("train", "--strategy", "random", "--out", str(tmp_path / "o"))

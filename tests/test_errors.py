@@ -252,6 +252,8 @@ def compiled(cli, cache_env, tiny_cnn_onnx, tmp_path_factory) -> Path:
         (["--batch-size", "0"], ["batch size", "positive"]),
         (["--batch-size", "-3"], ["batch size", "positive"]),
         (["--repeats", "0"], ["repeats"]),
+        (["--memory-mb", "inf"], ["--memory-mb", "positive number of MiB"]),
+        (["--memory-mb", "0"], ["--memory-mb", "positive number of MiB"]),
     ],
 )
 def test_compile_bad_settings(cli, tiny_cnn_onnx, tmp_path, args, fragments):
@@ -279,6 +281,24 @@ def test_output_directory_not_writable(cli, tiny_cnn_onnx, tmp_path):
     assert_user_error(done, str(blocker / "out"), "not writable", "-o")
     done = cli("compile", tiny_cnn_onnx, "-o", blocker, *QUICK_COMPILE)  # a usage error
     assert_user_error(done, str(blocker), "-o", "is a file", code=2)
+
+
+def test_bad_output_and_cache_paths_are_refused_before_measuring(cli, tiny_cnn_onnx, tmp_path):
+    """A directory where the profile file goes, a file where a directory goes: one line each,
+    before anything is profiled (they were internal errors after profiling)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = cli("profile", tiny_cnn_onnx, "-o", tmp_path, "--no-cache")
+    assert_user_error(done, str(tmp_path), "is a directory", "-o")
+    done = cli("profile", tiny_cnn_onnx, "-o", blocker / "p.json", "--no-cache")
+    assert_user_error(done, str(blocker), "not writable", "-o")
+    done = cli("profile", tiny_cnn_onnx, "-o", tmp_path / "p.json", "--cache-dir", blocker)
+    assert_user_error(done, str(blocker), "not writable", "--cache-dir")
+    done = cli("train", "--resume", blocker)
+    assert_user_error(done, str(blocker), "not a run directory", "--out")
+    done = cli("train", "--memory-mb", "inf", "--out", tmp_path / "run", *QUICK_TRAIN)
+    assert_user_error(done, "--memory-mb must be positive")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "p.json").exists()
 
 
 # ---- datasets, for compile --data and train --data -----------------------------------------
