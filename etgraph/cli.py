@@ -572,7 +572,9 @@ def compile_command(
 )
 @click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @_model_input_options
+@click.pass_context
 def train_command(
+    ctx: click.Context,
     model,
     data,
     tokenizer,
@@ -614,15 +616,16 @@ def train_command(
     from .rundir import format_summary
 
     if resume_dir is not None:
-        if model is not None or out is not None:
-            raise ConfigError("--resume DIR continues a run as configured: drop MODEL and --out")
-        given = {"--preprocess": preset, "--mean": mean, "--std": std, "--scale": scale}
-        given |= {"--channel-order": channel_order, "--frozen-bn": frozen_bn}
-        given |= {"--rho": rho, "--batch-size": batch_size}
-        dropped = [name for name, value in given.items() if value is not None]
-        if dropped:
+        given = [  # everything but --resume and --quiet is the run's configuration
+            param.opts[0] if param.opts[0].startswith("-") else param.opts[0].upper()
+            for param in ctx.command.params
+            if param.name not in ("resume_dir", "quiet")
+            and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+        ]
+        if given:
             raise ConfigError(
-                f"--resume DIR continues a run as configured: drop {', '.join(dropped)}"
+                f"--resume DIR continues a run as configured: drop {', '.join(given)} (or start "
+                "a new run with another --out)"
             )
         result = resume(resume_dir, progress=not quiet)
         click.echo(format_summary(result))
