@@ -797,16 +797,22 @@ class _Run:
             end = last[-1]["val_s"] + FINISH_S * self._slowdown(full_us * 1e-6)
         else:  # nothing trained yet: full steps now, and validation at a third of one per batch
             u = self._full_step_now_s()
-            val_batches = math.ceil(self.dataset.n_val / cfg.batch_size)
-            if cfg.max_val_batches is not None:
-                val_batches = min(val_batches, cfg.max_val_batches)
-            fixed = val_batches * u / 3
-            end = fixed + FINISH_S * self._slowdown(u)
+            fixed, end = self._untrained_epoch_costs_s(u)
         steps = epochs_left * self.steps_per_epoch
         rho = (left_s - end - epochs_left * fixed) / (steps * u) if u > 0 else 1.0
         chosen = float(min(1.0, max(rho, self.floor_rho * 1.02)))
         log.info("deadline: %.1f s left for %d epochs -> rho %.3f", left_s, epochs_left, chosen)
         return chosen
+
+    def _untrained_epoch_costs_s(self, full_step_s: float) -> tuple[float, float]:
+        """``(fixed, end)`` of :meth:`deadline_rho` before any epoch has run: an epoch's time
+        outside its steps (a validation pass at a third of a full step per batch) and the end
+        of the run (one more validation pass, and :data:`FINISH_S` times the slowdown), s."""
+        val_batches = math.ceil(self.dataset.n_val / self.config.batch_size)
+        if self.config.max_val_batches is not None:
+            val_batches = min(val_batches, self.config.max_val_batches)
+        fixed = val_batches * full_step_s / 3
+        return fixed, fixed + FINISH_S * self._slowdown(full_step_s)
 
     def _slowdown(self, full_step_s: float) -> float:
         """How much slower than profiled the machine runs: a full step measured now (s) over
@@ -833,16 +839,17 @@ class _Run:
         """Raise ConfigError at the start when even the cheapest selection cannot finish in time.
 
         Raises:
-            ConfigError: names the shortest feasible deadline (cheapest selection's steps at
-                the profile's measured full step, plus the time already spent).
+            ConfigError: names the shortest feasible deadline: the time already spent, the
+                cheapest selection's steps at the profile's measured full step, and the epochs'
+                and the end's other costs as :meth:`deadline_rho` plans them.
         """
         cfg = self.config
         if cfg.deadline_s is None:
             return
         elapsed = time.perf_counter() - self.started_at
-        need = (
-            elapsed + self.total_steps * self.floor_rho * self.profile.measured_full_step_us / 1e6
-        )
+        full_step_s = self.profile.measured_full_step_us * 1e-6
+        fixed, end = self._untrained_epoch_costs_s(full_step_s)
+        need = elapsed + self.total_steps * self.floor_rho * full_step_s + cfg.epochs * fixed + end
         if cfg.deadline_s < need:
             raise ConfigError(
                 f"deadline {cfg.deadline_s:g} s cannot be met: even the cheapest selection "
