@@ -760,9 +760,10 @@ def load_npz_dataset(
     Raises:
         DataError: one line naming the problem and the fix: the file is missing or not an npz;
             an input's array is missing, of the wrong dtype kind (float vs integer) or shape,
-            or holds ids beyond the input's embedding table; the arrays differ in length;
-            ``labels`` is missing, not integer class indices inside the head's ``K`` classes
-            (ce), or not ``[N, D]`` floats of the output's width (mse).
+            holds NaN or infinite values, or holds ids beyond the input's embedding table; the
+            arrays differ in length; ``labels`` is missing, not integer class indices inside
+            the head's ``K`` classes (ce), or not finite ``[N, D]`` floats of the output's
+            width (mse).
     """
     path = Path(path)
     if not path.is_file():
@@ -798,6 +799,12 @@ def load_npz_dataset(
                 f"{path}: array {spec.name!r} holds ids up to {int(arr.max())}, but the model's "
                 f"embedding table has {spec.index_rows} rows: encode the data with the model's "
                 "own tokenizer (ids below the vocabulary size)"
+            )
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            bad = int(np.count_nonzero(~np.isfinite(arr)))
+            raise DataError(
+                f"{path}: array {spec.name!r} holds {bad} NaN or infinite values: clean or drop "
+                "those examples"
             )
         arrays[spec.name] = arr.astype(want, copy=False)
     lengths = {k: len(v) for k, v in arrays.items()}
@@ -849,6 +856,11 @@ def _checked_labels(path: Path, labels: np.ndarray, n: int, task: Task) -> np.nd
         raise DataError(
             f"{path}: 'labels' has shape {list(labels.shape)}, but the model's output "
             f"{task.output!r} is [B, {task.width}]: give targets [N, {task.width}]"
+        )
+    if not np.all(np.isfinite(labels)):
+        raise DataError(
+            f"{path}: 'labels' holds {int(np.count_nonzero(~np.isfinite(labels)))} NaN or "
+            "infinite targets: clean or drop those examples"
         )
     return labels.astype(np.float32)
 

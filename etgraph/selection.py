@@ -199,7 +199,10 @@ def _inputs(t_dw_us, t_dy_us, importance, budget_us):
             "pass one importance per trainable tensor"
         )
     if not np.all(np.isfinite(imp)):
-        raise ConfigError("importance contains NaN or inf; re-evaluate tensor importance")
+        raise ConfigError(
+            "importance contains NaN or inf (the probe batches' gradients were not finite): "
+            "check the data for NaN or extreme values, or lower the learning rate"
+        )
     if t_dw.size == 0:
         raise ConfigError("no trainable tensors: the model has nothing to select")
     budget = float(budget_us)

@@ -341,6 +341,14 @@ def test_mse_targets_of_the_wrong_width(tmp_path):
     np.savez(tmp_path / "i.npz", x=x, labels=np.zeros(10, np.int64))
     with pytest.raises(DataError, match="--loss mse takes float targets"):
         load_npz_dataset(tmp_path / "i.npz", inputs=specs, shapes={"x": (4,)}, task=task)
+    x_nan = x.copy()
+    x_nan[3, 1] = np.nan
+    np.savez(tmp_path / "nan.npz", x=x_nan, labels=np.ones((10, 2), np.float32))
+    with pytest.raises(DataError, match="array 'x' holds 1 NaN or infinite values: clean or drop"):
+        load_npz_dataset(tmp_path / "nan.npz", inputs=specs, shapes={"x": (4,)}, task=task)
+    np.savez(tmp_path / "inf.npz", x=x, labels=np.full((10, 2), np.inf, np.float32))
+    with pytest.raises(DataError, match="'labels' holds 20 NaN or infinite targets"):
+        load_npz_dataset(tmp_path / "inf.npz", inputs=specs, shapes={"x": (4,)}, task=task)
     np.savez(tmp_path / "ok.npz", x=x, labels=np.ones((10, 2), np.float64))
     ds = load_npz_dataset(tmp_path / "ok.npz", inputs=specs, shapes={"x": (4,)}, task=task)
     assert ds.labels.dtype == np.float32 and (ds.n_train, ds.n_val) == (8, 2)
