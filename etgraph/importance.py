@@ -498,7 +498,9 @@ class ImportanceEvaluator:
             for path in files:
                 path.unlink(missing_ok=True)
         cost_s = time.perf_counter() - t0
-        return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
+        # no chunk fits the budget: nothing evaluated (the selection then names the budget)
+        loss = float(np.mean(losses)) if losses else float("nan")
+        return ImportanceResult(importance, loss, cost_s, session_s)
 
 
 def probe_importance(

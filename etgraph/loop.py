@@ -161,6 +161,7 @@ from .selection import (
     IMPORTANCE_STRATEGIES,
     STRATEGIES,
     MemoryCosts,
+    check_memory_floor,
     strategy_mask,
 )
 from .sessions import (
@@ -1502,6 +1503,8 @@ def train(
     if started_at is not None:
         run.started_at = started_at
     run.check_deadline()
+    if memory_profile is not None and config.memory_mb is not None:  # the model's own floor
+        check_memory_floor(MemoryCosts.from_profile(memory_profile, config.memory_mb))
     profile.save(out / PROFILE_FILE)
     if memory_profile is not None:
         memory_profile.save(out / MEMORY_FILE)

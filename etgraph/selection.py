@@ -61,6 +61,7 @@ from etgraph.timing import (
 
 __all__ = [
     "MemoryCosts",
+    "check_memory_floor",
     "Selection",
     "select_tensors",
     "select_naive_dp",
@@ -220,6 +221,17 @@ def _result(mask, imp, t_dw, t_dy, strategy) -> Selection:
         backward_us=backward_us(mask, t_dw, t_dy),
         strategy=strategy,
     )
+
+
+def check_memory_floor(memory: MemoryCosts) -> None:
+    """Raise InfeasibleMemoryError when ``memory.budget_mb`` is below the peak of training any
+    one tensor alone, whatever the time budget: before a run measures anything else.
+
+    Raises:
+        InfeasibleMemoryError: names the smallest feasible ``--memory-mb`` (whole MiB).
+    """
+    zeros = np.zeros(len(memory.tensor_mb))
+    _check_memory_feasible(zeros, zeros, 0.0, memory)
 
 
 def _check_memory_feasible(t_dw, t_dy, budget, memory: MemoryCosts) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from etgraph.errors import InfeasibleBudgetError, InfeasibleMemoryError
-from etgraph.selection import MemoryCosts, select_tensors
+from etgraph.selection import MemoryCosts, check_memory_floor, select_tensors
 from etgraph.timing import backward_us
 
 
@@ -137,3 +137,17 @@ def test_a_memory_budget_beyond_every_selection_binds_nothing_and_costs_no_table
         got = select_tensors(t_dw, t_dy, imp, budget, memory=huge).mask
         monkeypatch.undo()
         assert imp[got].sum() == pytest.approx(imp[expected].sum())
+
+
+def test_memory_floor_is_checked_without_a_time_budget():
+    """Before a run measures anything: a budget below every tensor's own peak is refused with
+    the smallest feasible --memory-mb; one at that peak passes."""
+    memory = MemoryCosts(
+        tensor_mb=np.array([5.0, 1.0, 3.0]),
+        earliest_mb=np.array([40.0, 12.0, 2.0]),
+        budget_mb=100.0,
+        base_mb=100.0,
+    )
+    with pytest.raises(InfeasibleMemoryError, match=r"tensor 2 alone: 105.0 MiB.*--memory-mb 105"):
+        check_memory_floor(memory)
+    check_memory_floor(MemoryCosts(memory.tensor_mb, memory.earliest_mb, 105.0, base_mb=100.0))
