@@ -904,8 +904,13 @@ class _Run:
         elif load >= PROBE_MAX_LOAD_PER_CORE * cores:
             note = f"not probed: load average {load:.1f} (other work) >= {cores} cores"
         elif PROBE_BUDGET * self.total_steps * self.rho < PROBE_COST_FULL_STEPS:
+            at = f"rho {self.rho:.2f}" + (
+                " (deadline mode: the probe's estimate, before rho is chosen)"
+                if cfg.deadline_s is not None
+                else ""
+            )
             note = (
-                f"not probed: {self.total_steps} steps at rho {self.rho:.2f} are too few to pay "
+                f"not probed: {self.total_steps} steps at {at} are too few to pay "
                 f"for it (about {PROBE_COST_FULL_STEPS} full steps); "
             )
             if slowdown is not None and slowdown > 1:

@@ -530,7 +530,10 @@ def format_summary(result: TrainResult) -> str:
         f"wall time           {result.wall_time_s:.1f} s  (training, validation excluded)",
         f"full training       {result.full_time_s:.1f} s  -> speedup {result.speedup:.2f}x  (full "
         f"step {result.full_step_us / 1e3:.2f} ms measured alike in the loop, "
-        f"{result.reference_overhead_pct:.2f} % of the wall time)",
+        f"{result.reference_overhead_pct:.2f} % of the wall time)"
+        if math.isfinite(result.full_time_s)
+        else "full training       not measured (no full session fits the memory budget): no "
+        "speedup or achieved rho",
         f"rho                 requested {result.rho_requested:.2f}  predicted "
         f"{result.rho_predicted:.2f}  achieved {result.rho_achieved:.2f} (wall), "
         f"{result.rho_achieved_cpu:.2f} (CPU time)",

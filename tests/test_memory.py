@@ -30,6 +30,7 @@ from etgraph.memory_profiler import (
     profile_memory,
 )
 from etgraph.model import LoadedModel
+from etgraph.rundir import format_summary
 from etgraph.selection import MemoryCosts
 from etgraph.sessions import (
     ROLES,
@@ -313,7 +314,8 @@ def test_train_under_memory_budget_logs_predicted_peak(default_model, default_pr
     budget = floor + 0.5 * (mem.full_peak_mb - mem.min_feasible_mb()) + 5.0
     config = dataclasses.replace(config, memory_mb=budget)
     out = tmp_path / "run"
-    train(default_model, prof, config, out, progress=False, memory_profile=mem)
+    result = train(default_model, prof, config, out, progress=False, memory_profile=mem)
+    assert "full training       not measured (no full session fits" in format_summary(result)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
