@@ -747,8 +747,10 @@ def parse_duration(text: str) -> float:
         value = float(t[:-1] if scale else t) * (scale or 1.0)
     except ValueError:
         value = float("nan")
-    if not value > 0:
-        raise ConfigError(f"--deadline {text!r} is not a duration: use e.g. 90s, 10m or 1h")
+    if not 0 < value < float("inf"):
+        raise ConfigError(
+            f"--deadline {text!r} is not a positive, finite duration: use e.g. 90s, 10m or 1h"
+        )
     return value
 
 
@@ -764,6 +766,7 @@ def _train_model(model, profile_path, input_shape, output, loss):
 
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
     source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
+    remedy = "re-profile with --input-shape or drop --profile"  # what to do on a shape mismatch
     compiled_loss = None
     if source.is_dir():
         if not (source / "model.onnx").is_file():
@@ -780,6 +783,7 @@ def _train_model(model, profile_path, input_shape, output, loss):
             compiled_loss = Profile.load(source / "profile.json").loss
             if profile_path is None:
                 profile_path = source / "profile.json"
+                remedy = "compile again with --input-shape, or drop --input-shape"
         if compiled_loss is not None and loss is not None and loss != compiled_loss:
             raise ConfigError(
                 f"{source} was compiled for --loss {compiled_loss}, not {loss}: compile again "
@@ -798,7 +802,7 @@ def _train_model(model, profile_path, input_shape, output, loss):
                 raise ProfileMismatchError(
                     f"profile {profile_path} was measured at input shape "
                     f"{format_shapes(profile.input_shapes)}, not {format_shapes(shapes)}: "
-                    "re-profile with --input-shape or drop --profile"
+                    f"{remedy}"
                 )
         return loaded, profile
     return loaded, None

@@ -601,8 +601,9 @@ class _Run:
         steps = self.dataset.steps_per_epoch(config.batch_size)
         if steps < 1:
             raise DataError(
-                f"dataset {self.dataset.name} has {self.dataset.n_train} training images, "
-                f"fewer than the batch size {config.batch_size}"
+                f"dataset {self.dataset.name} has {self.dataset.n_train} training examples, "
+                f"fewer than the batch size {config.batch_size}: add examples (part of them "
+                "are held out for validation) or lower --batch-size (compile again at it)"
             )
         if config.max_steps_per_epoch is not None:
             steps = min(steps, config.max_steps_per_epoch)

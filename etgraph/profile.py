@@ -244,8 +244,15 @@ class Profile:
         data = read_json(
             path, what="profile", if_missing="run `etgraph profile`", if_unreadable="delete it"
         )
+        if not isinstance(data, dict) or "format_version" not in data:
+            raise ProfileMismatchError(
+                f"{path} is not an etgraph profile (no format_version): re-run `etgraph profile` "
+                "(or compile again)"
+            )
         try:
             return cls.from_dict(data)
+        except ProfileMismatchError as exc:
+            raise ProfileMismatchError(f"{path}: {exc}") from exc
         except (KeyError, TypeError) as exc:
             raise ProfileMismatchError(
                 f"profile {path} lacks field {exc}: re-run `etgraph profile`"

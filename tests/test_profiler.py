@@ -246,6 +246,9 @@ def test_profile_json_formats_5_4_and_3_still_load(tmp_path):
     (tmp_path / "lacks.json").write_text(json.dumps(data))
     with pytest.raises(ProfileMismatchError, match="lacks field"):
         Profile.load(tmp_path / "lacks.json")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ProfileMismatchError, match="empty.json is not an etgraph profile"):
+        Profile.load(tmp_path / "empty.json")
 
 
 def test_profile_key_of_thorough_unchanged_fast_differs():
