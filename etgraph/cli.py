@@ -267,6 +267,13 @@ def inspect_command(
         return
     if target is None:  # optional only for --passes: the usual usage error otherwise
         raise click.UsageError("Missing argument 'TARGET'.", ctx=click.get_current_context())
+    dumped = Path(target).is_dir() or Path(target).suffix == ".json"
+    given = [o for o, v in (("--output", model_output), ("--loss", loss)) if v is not None]
+    if dumped and given:
+        raise ConfigError(
+            f"{target} holds a graph built as it was compiled: drop {', '.join(given)} (or "
+            "inspect the .onnx model with them)"
+        )
     tensor_graph = graph.load_tensor_graph(target, output=model_output, loss=loss or "ce")
     click.echo(graph.format_tensor_table(graph.tensor_table(tensor_graph)))
     if tensor_graph.graph.get("num_ops") is not None:

@@ -33,6 +33,10 @@ def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
     assert lines[1] in proc.stdout
     assert (tmp_path / "again" / "graph.dot").is_file()
     assert not (tmp_path / "again" / "graph.json").exists()
+    # its graph was built as compiled: a --loss for it would be silently ignored
+    proc = run_cli("inspect", str(out), "--loss", "mse", "--out", str(tmp_path / "mse"))
+    assert proc.returncode == 1 and "drop --loss" in proc.stderr
+    assert not (tmp_path / "mse").exists()
 
 
 def test_inspect_errors_are_one_line(tmp_path):
