@@ -531,8 +531,8 @@ def compile_command(
 @click.option(
     "--rho",
     type=float,
-    help="Step time / full step (within ±5% once the closed loop has measured steps) "
-    "[0.5; train DIR: the rho DIR was compiled for].",
+    help="Step time / full step, in (0, 1] (within ±5% once the closed loop has measured "
+    "steps) [0.5; train DIR: the rho DIR was compiled for].",
 )
 @click.option("--period", default=3, show_default=True, type=int, help="Epochs per re-selection.")
 @click.option(
@@ -543,7 +543,13 @@ def compile_command(
     help="Tensor selection: elastic (DP) or a baseline.",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
-@click.option("--out", "out", default=None, type=click.Path(), help="Run directory to write.")
+@click.option(
+    "--out",
+    "out",
+    default=None,
+    type=click.Path(),
+    help="Run directory to write (required, unless --resume).",
+)
 @click.option("--resume", "resume_dir", default=None, type=click.Path(), help="Continue a run.")
 @click.option("--profile", "profile_path", default=None, help="profile.json [measure, cached].")
 @_profile_level_option
