@@ -204,6 +204,11 @@ def _stratified_split(
 
 
 def _check_num_classes(name: str, n_data: int, num_classes: int | None) -> None:
+    if n_data < 2:
+        raise DataError(
+            f"dataset {name} has {n_data} class: a classifier learns nothing from one; give one "
+            "sub-directory of images per class, two or more"
+        )
     if num_classes is not None and n_data > num_classes:
         raise DataError(
             f"dataset {name} has {n_data} classes but the model outputs {num_classes}: "
@@ -639,8 +644,8 @@ def load_dataset(
         A :class:`Dataset`.
 
     Raises:
-        DataError: see :func:`load_image_folder`; or the data has more classes than
-            ``num_classes``.
+        DataError: see :func:`load_image_folder`; or the data has one class only, or more
+            classes than ``num_classes``.
     """
     if spec is None or str(spec) == "digits":
         if preprocess is not None and preprocess != DEFAULT_PREPROCESS:

@@ -119,7 +119,7 @@ def test_image_folder_loads_classes_shapes_and_normalisation(tmp_path):
 
 
 def test_image_folder_flips_only_training_batches(tmp_path):
-    root = make_folder(tmp_path / "ds", classes=("a",), per_class=8, size=(8, 8))
+    root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=8, size=(8, 8))
     ds = load_dataset(root, input_shape=(3, 8, 8))
     white = (1.0 - IMAGENET_MEAN[1]) / IMAGENET_STD[1]
     for x, _ in ds.val_batches(8):
@@ -163,6 +163,12 @@ def test_no_class_subfolders(tmp_path):
         load_dataset(root, input_shape=SHAPE)
 
 
+def test_one_class_is_refused(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("only",), per_class=6)
+    with pytest.raises(DataError, match="has 1 class: a classifier learns nothing from one"):
+        load_dataset(root, input_shape=SHAPE)
+
+
 def test_class_folder_without_images(tmp_path):
     root = make_folder(tmp_path / "ds", classes=("a",), per_class=2)
     (root / "b").mkdir()
@@ -200,6 +206,7 @@ def test_bad_arguments(tmp_path):
         load_dataset(None, input_shape=(4, 32, 32))
     with pytest.raises(DataError, match="validation fraction"):
         load_dataset(None, input_shape=SHAPE, val_fraction=1.0)
-    ds = load_dataset(make_folder(tmp_path / "ds", classes=("a",), per_class=3), input_shape=SHAPE)
+    root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=3)
+    ds = load_dataset(root, input_shape=SHAPE)
     with pytest.raises(DataError, match="fewer than the batch size"):
         next(ds.train_batches(8, seed=0))
