@@ -42,9 +42,9 @@ from .model import LoadedModel
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "COMPILED_FILES",
     "ARTIFACTS_DIR",
     "CHECKPOINT_FILE",
+    "COMPILED_FILES",
     "CURVES_FILE",
     "LOG_FILE",
     "MEMORY_FILE",
@@ -59,8 +59,8 @@ __all__ = [
     "TrainResult",
     "append_log",
     "checkpoint_properties",
-    "format_summary",
     "check_not_run_dir",
+    "format_summary",
     "prepare_run_dir",
     "read_log",
     "read_run_checkpoint",

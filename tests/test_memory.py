@@ -12,6 +12,7 @@ import pytest
 from helpers import make_model, random_initializer, run_cli, run_cli_in_process, save_model
 from onnx import TensorProto, helper
 
+from etgraph import loop as loop_module
 from etgraph.artifacts import ArtifactCache
 from etgraph.data import DEFAULT_MODEL_PATH
 from etgraph.errors import ConfigError, InfeasibleMemoryError, ProfileMismatchError
@@ -35,6 +36,7 @@ from etgraph.selection import MemoryCosts
 from etgraph.sessions import (
     ROLES,
     OrtConfig,
+    TrainingSession,
     inference_session,
     session_options,
 )
@@ -359,7 +361,7 @@ def test_memory_model_scope_is_image_classifiers(tmp_path):
 
 @pytest.mark.slow
 def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
-    default_model, default_profile, tmp_path
+    default_model, default_profile, tmp_path, monkeypatch
 ):
     """Under a budget that does not bind, the run takes the same selections and ends with the
     same weights and AdamW moments as without one (state through checkpoint files every period,
@@ -377,6 +379,16 @@ def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
         epochs=3, period=1, max_steps_per_epoch=4, max_val_batches=2, rho=rho, resolution=1000
     )
     base = dataclasses.replace(base, closed_loop=False)
+
+    # The bounded run's sessions do not bake the frozen weights; the unbounded run's would (ORT
+    # folds batch norms into convs: float sums reassociated, test_bake.py), and AdamW's
+    # normalised step turns those 1e-9 differences of near-zero gradients into up to lr of
+    # weight (measured: 1.3e-5 on single elements, depending on the selection). Unbaked, both
+    # runs compute alike: the same weights and moments, bit for bit.
+    def unbaked(*args, **kwargs) -> TrainingSession:
+        return TrainingSession(*args, **{**kwargs, "bake": False})
+
+    monkeypatch.setattr(loop_module, "TrainingSession", unbaked)
     runs = {}
     for name, budget in (("free", None), ("bounded", 4 * mem.full_peak_mb)):
         config = dataclasses.replace(base, memory_mb=budget)
@@ -389,13 +401,10 @@ def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
     bounded, _, _ = read_checkpoint(tmp_path / "bounded" / "checkpoint")
     assert free.step == bounded.step == 12
     for name, value in free.weights.items():
-        np.testing.assert_allclose(bounded.weights[name], value, rtol=1e-5, atol=1e-7)
-    # The unbounded run's sessions bake the frozen weights (ORT folds batch norms into convs:
-    # float sums reassociated, test_bake.py), the bounded run's do not: moments of ~1e-6 differ
-    # by a few 1e-9.
+        np.testing.assert_array_equal(bounded.weights[name], value, err_msg=name)
     for name, moments in free.moments.items():
         for key, value in moments.items():
-            np.testing.assert_allclose(bounded.moments[name][key], value, rtol=1e-4, atol=1e-8)
+            np.testing.assert_array_equal(bounded.moments[name][key], value, err_msg=name)
     x = np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32)
     outputs = [
         inference_session(str(tmp_path / n / "model_trained.onnx")).run(None, {"input": x})[0]

@@ -165,7 +165,7 @@ def test_run_file_round_trip_and_errors(tmp_path):
     config = TrainConfig(epochs=2, rho=0.7, seed=3)
     out = tmp_path / "run"
     out.mkdir()
-    with pytest.raises(CheckpointError, match="holds no training run"):
+    with pytest.raises(CheckpointError, match=r"is not a run directory \(it does not exist\)"):
         rundir.read_run_file(out, TrainConfig.from_json)
     rundir.write_run_file(
         out,
@@ -486,7 +486,7 @@ def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, def
 
 @pytest.mark.slow
 def test_resume_errors(tmp_path, default_profile, default_model, rho):
-    with pytest.raises(CheckpointError, match="holds no training run"):
+    with pytest.raises(CheckpointError, match=r"is not a run directory \(it does not exist\)"):
         resume(tmp_path / "nothing-here", progress=False)
     prof, _ = default_profile
     config = TrainConfig(epochs=1, period=1, rho=rho, **QUICK)
