@@ -165,7 +165,7 @@ def test_run_file_round_trip_and_errors(tmp_path):
     config = TrainConfig(epochs=2, rho=0.7, seed=3)
     out = tmp_path / "run"
     out.mkdir()
-    with pytest.raises(CheckpointError, match=r"is not a run directory \(it does not exist\)"):
+    with pytest.raises(CheckpointError, match="holds no training run"):
         rundir.read_run_file(out, TrainConfig.from_json)
     rundir.write_run_file(
         out,
