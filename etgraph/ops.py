@@ -216,8 +216,8 @@ OP_RULES: dict[str, OpRule] = {
             why=why,
         )
         for op, why in (
-            ("LSTM", "crashes in its gradient unless all its weights train together"),
-            ("GRU", "crashes in its gradient unless all its weights train together"),
+            ("LSTM", "has a gradient kernel that crashes the process (unless W and R both train)"),
+            ("GRU", "has a gradient kernel that crashes the process (unless W and R both train)"),
             ("RNN", "has no gradient"),
         )
     },
