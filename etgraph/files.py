@@ -189,15 +189,18 @@ def read_json(path: str | os.PathLike, *, what: str, if_missing: str, if_unreada
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSON-lines file, up to the first unreadable line (a line cut by a kill:
-    everything after it is repeated by a resumed run anyway). A missing file has none."""
+    """The records of a JSON-lines file, without its unreadable lines: the last one cut by a
+    kill (expected), or one damaged in the middle (skipped with a warning, the records after it
+    kept). A missing file has none."""
     path = Path(path)
     if not path.exists():
         return []
+    lines = path.read_text().splitlines()
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(lines, start=1):
         try:
             records.append(json.loads(line))
         except ValueError:
-            break
+            if number < len(lines):
+                log.warning("%s: line %d is not readable JSON: skipped", path, number)
     return records

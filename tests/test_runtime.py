@@ -226,6 +226,10 @@ def test_log_truncation_and_temporaries(tmp_path):
         1,
         2,
     ]
+    # a line damaged in the middle costs that line only (it cost every record after it)
+    lines = (out / "log.jsonl").read_text().splitlines()
+    (out / "log.jsonl").write_text("\n".join([lines[0], "{garbage", lines[1]]) + "\n")
+    assert [r["epoch"] for r in rundir.read_log(out)] == [1, 2]
     left = [".checkpoint.x1y2", ".log.jsonl.abc", ".model_trained.onnx.tmp", ".summary.json.q"]
     kept = [".other.file", "checkpoint"]
     for name in left + kept:
