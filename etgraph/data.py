@@ -529,11 +529,17 @@ def _scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
     files: list[Path] = []
     labels: list[int] = []
     for label, d in enumerate(subdirs):
-        imgs = sorted(
+        named = [
             p
             for p in d.rglob("*")
-            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
-        )
+            if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+        ]
+        broken = [p for p in named if p.is_symlink() and not p.exists()]
+        if broken:
+            raise DataError(
+                f"image {broken[0]} is a broken link ({len(broken)} in {d}): fix or remove it"
+            )
+        imgs = sorted(p for p in named if p.is_file())
         if not imgs:
             raise DataError(
                 f"class folder {d} has no images ({', '.join(sorted(IMAGE_EXTENSIONS))}): "

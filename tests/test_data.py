@@ -163,6 +163,13 @@ def test_no_class_subfolders(tmp_path):
         load_dataset(root, input_shape=SHAPE)
 
 
+def test_broken_link_is_named(tmp_path):
+    root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=2)
+    (root / "b" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    with pytest.raises(DataError, match=r"gone.png is a broken link \(1 in .*b\): fix or remove"):
+        load_dataset(root, input_shape=SHAPE)
+
+
 def test_one_class_is_refused(tmp_path):
     root = make_folder(tmp_path / "ds", classes=("only",), per_class=6)
     with pytest.raises(DataError, match="has 1 class: a classifier learns nothing from one"):
