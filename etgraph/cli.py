@@ -726,12 +726,15 @@ def _memory_inputs(model, loaded, profile, memory_mb, frozen_bn):
     compiled = Path(model) / "memory.json" if model is not None else None
     if compiled is not None and compiled.is_file():
         memory_profile = MemoryProfile.load(compiled)
-        memory_profile.check_matches(
-            loaded.hash,
-            batch_size=profile.batch_size,
-            input_shape=image_input_shape(loaded, profile.input_shapes),
-            threads=profile.threads,
-        )
+        try:
+            memory_profile.check_matches(
+                loaded.hash,
+                batch_size=profile.batch_size,
+                input_shape=image_input_shape(loaded, profile.input_shapes),
+                threads=profile.threads,
+            )
+        except ProfileMismatchError as exc:  # name the file to delete
+            raise ProfileMismatchError(f"{compiled}: {exc}") from exc
         if memory_profile.frozen_bn == frozen_bn:
             return memory_profile
     if memory_mb is None:
