@@ -31,6 +31,7 @@ __all__ = [
     "OpRule",
     "data_path_values",
     "is_default_domain",
+    "node_reads",
     "no_gradient_ops",
     "op_rule",
 ]
@@ -166,6 +167,18 @@ OP_RULES: dict[str, OpRule] = {
     "Dropout": OpRule(nondiff_slots=(1, 2)),
     "Where": OpRule(nondiff_slots=(0,)),
     "TopK": OpRule(nondiff_slots=(1,)),
+    # control flow: no gradient builder in ORT 1.19.2 (If's aborts the process at session
+    # creation, measured); torch exports .squeeze(dim) of a symbolic dim as an If, and
+    # nn.EmbeddingBag as a Loop
+    **{
+        op: OpRule(
+            gradient=False,
+            fix="export without data-dependent control flow (torch: .squeeze(dim) of a "
+            "symbolic dim exports an If, use .flatten(1) or .reshape; nn.EmbeddingBag a Loop, "
+            "use nn.Embedding and a mean)",
+        )
+        for op in ("If", "Loop", "Scan")
+    },
     "CumSum": OpRule(
         nondiff_slots=(1,),
         gradient=False,
@@ -288,6 +301,19 @@ def is_default_domain(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx")
 
 
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The values ``node`` reads: its inputs, then the outer-scope values its subgraphs
+    (If branches, Loop and Scan bodies) read without producing them, sorted."""
+    captured: set[str] = set()
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            local = {i.name for i in sub.input} | {i.name for i in sub.initializer}
+            for inner in sub.node:
+                captured.update(v for v in node_reads(inner) if v and v not in local)
+                local.update(inner.output)
+    return [*node.input, *sorted(captured - set(node.input))]
+
+
 def data_path_values(graph: onnx.GraphProto, *, from_initializers: bool = True) -> set[str]:
     """Values that can carry a gradient in ``graph`` (node order must be topological).
 
@@ -333,7 +359,8 @@ def data_path_values(graph: onnx.GraphProto, *, from_initializers: bool = True) 
             if any(v in indexing for v in node.input):
                 carrying.update(outputs)
                 continue
-        diff = [v for i, v in enumerate(node.input) if v and i not in rule.nondiff_slots]
+        # what a subgraph reads from outside counts as an input (an If of the data, a Loop)
+        diff = [v for i, v in enumerate(node_reads(node)) if v and i not in rule.nondiff_slots]
         if any(v in carrying for v in diff):
             carrying.update(outputs)
         elif any(

@@ -23,6 +23,7 @@ from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.graph import build_tensor_graph
 from etgraph.model import LoadedModel, input_shapes, parse_input_shapes
 from etgraph.onnx_io import legalize, load_model, model_hash, restore_exported
+from etgraph.ops import data_path_values, node_reads
 from etgraph.sessions import TrainingSession, evaluate_onnx
 from passes.base import describe_pipeline, run_passes
 from passes.onnx import (
@@ -597,6 +598,32 @@ def test_expand_sum_pass_computes_the_same(terms):
     x = sample()
     np.testing.assert_allclose(ort_run(out, x), ort_run(model, x), rtol=1e-5, atol=1e-5)
     assert run_pass(ExpandSumPass(), out)[1] is False
+
+
+def test_control_flow_reading_the_data_is_refused():
+    """An If whose branches read the data from the outer scope (torch's export of
+    ``.squeeze(dim)`` on a symbolic dim): its only input is the condition, yet it is on the data
+    path (:func:`etgraph.ops.node_reads`) and refused, not left to abort ORT's session."""
+    branch = {
+        name: helper.make_graph(
+            [helper.make_node(op, ["c"], [f"{name}_out"], name=f"{name}_op")],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, None)],
+        )
+        for name, op in (("then", "Identity"), ("else", "Relu"))
+    }
+    nodes = [
+        helper.make_node("Constant", [], ["cond"], name="cond", value=numpy_helper.from_array(
+            np.array(True))),
+        helper.make_node("If", ["cond"], ["s"], name="branchy", then_branch=branch["then"],
+                         else_branch=branch["else"]),
+    ]  # fmt: skip
+    model = conv_head(nodes, "s")
+    assert node_reads(model.graph.node[2]) == ["cond", "c"]
+    assert "s" in data_path_values(model.graph)
+    with pytest.raises(UnsupportedOpError, match=r"node 'branchy' uses op If, .* \.flatten\(1\)"):
+        RefuseNoGradOpsPass("m.onnx")(ir.from_proto(model))
 
 
 def test_refuse_no_grad_ops_pass_on_and_off_the_data_path():

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 
 from etgraph.errors import UnsupportedOpError
-from etgraph.ops import data_path_values, no_gradient_ops
+from etgraph.ops import data_path_values, no_gradient_ops, node_reads
 
 __all__ = ["RefuseNoGradOpsPass", "graph_skeleton"]
 
@@ -57,13 +57,14 @@ class RefuseNoGradOpsPass(InPlacePass):
         suspects = [n for n in model.graph if n.domain == "" and n.op_type in no_gradient]
         if not suspects:
             return PassResult(model, modified=False)
-        carrying = data_path_values(graph_skeleton(model.graph))
-        for node in suspects:
-            rule = no_gradient[node.op_type]
-            if any(
-                v is not None and v.name in carrying
-                for i, v in enumerate(node.inputs)
-                if i not in rule.nondiff_slots
+        skeleton = graph_skeleton(model.graph)
+        carrying = data_path_values(skeleton)
+        for node in skeleton.node:
+            rule = no_gradient.get(node.op_type)
+            if rule is None or node.domain not in ("", "ai.onnx"):
+                continue
+            if any(  # a subgraph's outer reads count (node_reads): an If of the data
+                v in carrying for i, v in enumerate(node_reads(node)) if i not in rule.nondiff_slots
             ):
                 raise UnsupportedOpError(
                     f"{self.source}: node {node.name!r} uses op {node.op_type}, which "
