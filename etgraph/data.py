@@ -805,6 +805,11 @@ def load_npz_dataset(
                 f"[N, {', '.join(map(str, expected))}]: reshape it (or pass --input-shape "
                 f"{spec.name}=DIMS)"
             )
+        if spec.index_rows is not None and arr.size and int(arr.min()) < 0:
+            raise DataError(
+                f"{path}: array {spec.name!r} holds negative ids (down to {int(arr.min())}): "
+                "pad with the tokenizer's pad id (ONNX Gather reads -1 as the last row)"
+            )
         if spec.index_rows is not None and arr.size and int(arr.max()) >= spec.index_rows:
             raise DataError(
                 f"{path}: array {spec.name!r} holds ids up to {int(arr.max())}, but the model's "
@@ -890,8 +895,10 @@ def load_text_dataset(
     seed: int = 0,
 ) -> ArrayDataset:
     """Load ``--data FILE.csv|FILE.jsonl --tokenizer tokenizer.json`` for a token model
-    (:func:`etgraph.text.load_text_data`): one int64 ``[N, T]`` array per token input, labels
-    mapped to the head's classes (``class_names`` from the data), split stratified per class.
+    (:func:`etgraph.text.load_text_data`): one ``[N, T]`` array per token input in that
+    input's dtype (ids and masks are tokenized as int64, then cast: a float or bool mask, int32
+    ids), labels mapped to the head's classes (``class_names`` from the data), split
+    stratified per class.
 
     Raises:
         DataError: as :func:`etgraph.text.check_text_options`; a loss other than ce; token
@@ -919,9 +926,11 @@ def load_text_dataset(
         vocab_rows=ids.index_rows if ids is not None else None,
         num_classes=task.width,
     )
+    # each input in its own dtype: a float or bool attention mask, int32 ids
+    arrays = {spec.name: text.inputs[spec.name].astype(spec.dtype, copy=False) for spec in inputs}
     train, val = _stratified_split(text.labels, val_fraction, seed)
     log.info("%s: %d texts (%d train, %d val)", path, text.labels.size, train.size, val.size)
-    return ArrayDataset(str(path), text.inputs, text.labels, train, val, text.class_names)
+    return ArrayDataset(str(path), arrays, text.labels, train, val, text.class_names)
 
 
 def load_task_data(

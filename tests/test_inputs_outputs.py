@@ -319,6 +319,8 @@ def test_image_data_for_a_text_model_is_one_line(bert):
         ({"input_ids": np.full((40, SEQ), VOCAB, np.int64)}, ["ids up to 50",
                                                               "table has 50 rows", "tokenizer"]),
         ({"labels": np.zeros(39, np.int64)}, ["'labels' has 39 rows, the inputs 40"]),
+        ({"input_ids": np.full((40, SEQ), -1, np.int64)}, ["negative ids (down to -1)",
+                                                            "pad id"]),
     ],
 )  # fmt: skip
 def test_bad_npz_is_one_line(tmp_path, bert, override, fragments):

@@ -293,6 +293,22 @@ def test_load_task_data_text(tmp_path, tok_path):
     assert y.dtype == np.int64
 
 
+@pytest.mark.parametrize(("ids", "mask"), [("int32", "float32"), ("int64", "bool")])
+def test_text_data_takes_each_inputs_dtype(tmp_path, tok_path, ids, mask):
+    """A float or bool attention mask, int32 ids: fed in the model's dtypes (int64 made ORT's
+    TrainStep fail with 'Unexpected input data type')."""
+    specs = [
+        InputSpec("input_ids", ids, ("batch", 6), VOCAB),
+        InputSpec("attention_mask", mask, ("batch", 6), None),
+    ]
+    shapes = {"input_ids": (6,), "attention_mask": (6,)}
+    ds = load_task_data(write_csv(tmp_path / "d.csv", ROWS), inputs=specs, shapes=shapes,
+                        task=Task("ce", "logits", 2), tokenizer=tok_path)  # fmt: skip
+    x, _ = next(ds.train_batches(3, seed=1))
+    assert (x["input_ids"].dtype, x["attention_mask"].dtype) == (np.dtype(ids), np.dtype(mask))
+    assert x["attention_mask"].any() and not x["attention_mask"].all()  # padding kept
+
+
 def test_load_task_data_text_errors(tmp_path, tok_path):
     csv_path = write_csv(tmp_path / "d.csv", ROWS)
     specs, shapes, task = _token_model()
