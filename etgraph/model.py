@@ -18,9 +18,10 @@ reloading the file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,9 +30,10 @@ import onnx
 from onnx import numpy_helper
 
 from passes.onnx import HEAD_KEY
+from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from . import onnx_io
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
 from .ops import FLOAT_TYPES, data_path_values, op_rule
 
 __all__ = [
@@ -539,6 +541,42 @@ def removed_head(model: onnx.ModelProto) -> str | None:
     :class:`passes.onnx.RemoveSoftmaxHeadPass` / :class:`passes.onnx.FlattenClassOutputPass`),
     or None."""
     return next((p.value for p in model.metadata_props if p.key == HEAD_KEY), None)
+
+
+def exported_batch(model: onnx.ModelProto) -> int | None:
+    """The batch size the model was exported at, if legalisation made it symbolic
+    (:class:`passes.onnx.FreeBatchDimPass`), else None."""
+    value = next((p.value for p in model.metadata_props if p.key == EXPORTED_BATCH_KEY), None)
+    return int(value) if value is not None else None
+
+
+@contextlib.contextmanager
+def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[None]:
+    """Turn an ORT failure (a :class:`ModelError`) at a batch size other than the one the model
+    was exported at into the error that says so: a graph may fix its export batch where
+    legalisation cannot free it (an attention's reshapes to ``[T, B*heads, d]``).
+
+    Raises:
+        ModelError: ``onnxruntime cannot run the model at batch B: it was exported at batch E
+            ...: compile with --batch-size E, or export it with a dynamic batch dimension``.
+    """
+    try:
+        yield
+    except ModelError as exc:
+        exported = exported_batch(model)
+        if exported is None or exported == batch_size or isinstance(exc, UnsupportedOpError):
+            raise
+        if str(exc).startswith("onnxruntime cannot run the model at batch"):
+            raise  # already said (a nested call)
+        cause = first_line(exc.__cause__ or exc)
+        if len(cause) > 160:  # ORT's C++ signature first: its end says what failed
+            cause = "... " + cause[-160:].split(" ", 1)[-1]
+        raise ModelError(
+            f"onnxruntime cannot run the model at batch {batch_size}: it was exported at batch "
+            f"{exported}, which its graph fixes where etgraph cannot free it (e.g. attention "
+            f"reshapes) ({cause}): use --batch-size {exported}, or export it with a dynamic batch "
+            "dimension (torch: dynamic_axes={'input': {0: 'batch'}})"
+        ) from exc
 
 
 def with_batch(

@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .files import atomic_target, ensure_writable_dir, write_json_atomic
 from .importance import probe_importance
 from .memory import MemoryProfile
-from .model import LoadedModel, TensorInfo
+from .model import LoadedModel, TensorInfo, exported_batch_hint
 from .plan import PLAN_FILE
 from .rundir import check_not_run_dir
 from .text import check_text_options
@@ -190,9 +190,10 @@ def compile_model(
         # One cache for the graph and the profiler: the all-trainable artifacts are generated
         # once and the tensor-graph passes run once.
         cache = ArtifactCache(work)
-        tensor_graph = graph.build_tensor_graph(
-            model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
-        )
+        with exported_batch_hint(model.proto, batch_size):
+            tensor_graph = graph.build_tensor_graph(
+                model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
+            )
         prof = profiler.profile_model(
             model,
             batch_size=batch_size,

@@ -138,7 +138,7 @@ from .measure import (
     round_robin,
     step_clock,
 )
-from .model import LoadedModel, TensorInfo
+from .model import LoadedModel, TensorInfo, exported_batch_hint
 from .profile import Profile, format_shapes, profile_key
 from .timing import BranchCharges, backward_us, step_us
 
@@ -273,7 +273,10 @@ def profile_model(
 
     start = time.perf_counter()
     freeze_gc()
-    with tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work,
+        exported_batch_hint(model.proto, batch_size),
+    ):
         prof = _profile(
             model,
             shapes,

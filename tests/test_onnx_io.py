@@ -21,7 +21,13 @@ from onnx_ir.passes import PostconditionError, PreconditionError
 from etgraph.artifacts import generate
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.graph import build_tensor_graph
-from etgraph.model import LoadedModel, input_shapes, parse_input_shapes
+from etgraph.model import (
+    LoadedModel,
+    exported_batch,
+    exported_batch_hint,
+    input_shapes,
+    parse_input_shapes,
+)
 from etgraph.onnx_io import legalize, load_model, model_hash, restore_exported
 from etgraph.ops import data_path_values, node_reads
 from etgraph.sessions import TrainingSession, evaluate_onnx
@@ -824,6 +830,18 @@ def test_zoo_style_model_is_upgraded_and_its_weights_found(tmp_path):
     both = ort_run(legal, np.concatenate([x1, x2]))
     np.testing.assert_allclose(both[:1], ort_run(original, x1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(both[1:], ort_run(original, x2), rtol=1e-5, atol=1e-6)
+    # the export batch is recorded: an ORT failure at another batch says to use it
+    assert exported_batch(legal) == 1
+    with pytest.raises(
+        ModelError,
+        match=r"at batch 4: it was exported at batch 1, .*\(boom\)"
+        r": use --batch-size 1, or export it with a dynamic batch dimension",
+    ):
+        with exported_batch_hint(legal, 4):
+            raise ModelError("onnxruntime could not build it") from RuntimeError("boom")
+    for batch, error in ((1, ModelError("kept")), (4, UnsupportedOpError("kept"))):
+        with pytest.raises(ModelError, match="^kept$"), exported_batch_hint(legal, batch):
+            raise error
 
 
 def test_materialize_weights_pass_alone():

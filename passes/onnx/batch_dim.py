@@ -20,10 +20,14 @@ from .io_names import data_inputs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BATCH_DIM", "FreeBatchDimPass"]
+__all__ = ["BATCH_DIM", "EXPORTED_BATCH_KEY", "FreeBatchDimPass"]
 
 #: Name of the symbolic batch dimension.
 BATCH_DIM = "batch"
+#: Metadata key (model ``metadata_props``) of the batch size the model was exported at, when
+#: this pass freed it: a graph may still fix it where no pass can see (an attention's
+#: ``[T, B*heads, d]`` reshape computed from constants), and errors at another batch name it.
+EXPORTED_BATCH_KEY = "etgraph.exported_batch"
 
 
 def _fixed_batch(value: ir.Value) -> bool:
@@ -51,6 +55,7 @@ class FreeBatchDimPass(InPlacePass):
         if not fixed:
             return PassResult(model, modified=False)
         batch = fixed[0].shape[0]
+        model.metadata_props[EXPORTED_BATCH_KEY] = str(batch)
         for value in fixed:
             value.shape = ir.Shape([BATCH_DIM, *list(value.shape)[1:]])
         reshapes = _free_reshapes(graph, batch) if self.reshapes else 0
