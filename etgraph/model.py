@@ -519,6 +519,12 @@ def task_of(model: onnx.ModelProto, loss: str = "ce") -> Task:
     dims = output.type.tensor_type.shape.dim
     if output.type.tensor_type.HasField("shape") and len(dims) != 2:
         shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        if loss == "ce" and len(dims) == 3:
+            raise ModelError(
+                f"output {output.name!r} has shape {shown}: a label per position (token "
+                "classification) is not supported; etgraph trains one label per example, from "
+                "[B, K] logits: pool over the sequence (mean or the first token) and re-export"
+            )
         if loss == "ce":
             raise ModelError(
                 f"output {output.name!r} has shape {shown}; etgraph trains classifiers whose "

@@ -934,6 +934,15 @@ def test_output_that_is_not_b_by_k_is_one_line(tmp_path):
         LoadedModel.load(save_model(model, tmp_path))
 
 
+def test_per_token_output_says_it_is_not_supported(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="per_token")]
+    model = make_model(nodes, [random_initializer("w", (8, 4))], in_shape=(1, 5, 8),
+                       out_shape=(1, 5, 4))  # fmt: skip
+    with pytest.raises(ModelError, match=r"\['batch', 5, 4\]: a label per position .* not "
+                       "supported; .* pool over the sequence"):  # fmt: skip
+        LoadedModel.load(save_model(model, tmp_path))
+
+
 def test_inference_batch_norm_becomes_trainable(tmp_path):
     """An inference BatchNormalization (one output, training_mode 0) trains like a torch
     TRAINING export's: running statistics are frozen parameters ORT updates in each step."""
