@@ -195,7 +195,7 @@ OP_RULES: dict[str, OpRule] = {
     "Celu": OpRule(
         gradient="rewrite", fix="rewrite as relu(x) + alpha * (exp(min(x, 0) / alpha) - 1)"
     ),
-    "PRelu": OpRule(gradient="rewrite", fix="rewrite as relu(x) - slope * relu(-x)"),
+    "PRelu": OpRule(gradient="rewrite", fix="rewrite as relu(x) + slope * min(x, 0)"),
     # no gradient builder in ORT 1.19.2, refused on the data path
     "GlobalMaxPool": OpRule(
         gradient=False, fix="replace it by MaxPool with kernel_shape = the spatial size"

@@ -6,8 +6,8 @@ The registry (:mod:`etgraph.ops`) marks them ``gradient="rewrite"``:
   1)``: onnxscript pattern-rewrite rules (:class:`HardSwishRule`, :class:`HardSigmoidRule`),
   the inverse of onnxscript's own HardSwish fusion;
 * Elu ``y = relu(x) + alpha * (exp(-relu(-x)) - 1)``, Selu ``y = gamma * elu(x; alpha)``, Celu
-  ``y = relu(x) + alpha * (exp(-relu(-x) / alpha) - 1)`` and PRelu ``y = relu(x) - slope *
-  relu(-x)`` (:class:`EluRule`, :class:`SeluRule`, :class:`CeluRule`, :class:`PReluRule`): exact
+  ``y = relu(x) + alpha * (exp(-relu(-x) / alpha) - 1)`` and PRelu ``y = relu(x) + slope *
+  min(x, 0)`` (:class:`EluRule`, :class:`SeluRule`, :class:`CeluRule`, :class:`PReluRule`): exact
   for every x; a PRelu slope is then read by a Mul, so it stays frozen (not a trainable tensor);
 * variadic Sum ``Sum(a, b, c)`` -> ``Add(Add(a, b), c)``: built with onnx_ir nodes (a pattern
   has a fixed number of inputs).
@@ -152,7 +152,7 @@ class SeluRule(pattern.RewriteRuleClassBase):
 
 
 class PReluRule(pattern.RewriteRuleClassBase):
-    """PRelu(x, slope) -> Sub(Relu(x), Mul(slope, Relu(-x)))."""
+    """PRelu(x, slope) -> Add(Relu(x), Mul(slope, -Relu(-x)))."""
 
     def pattern(self, op, x, slope):
         return op.PRelu(x, slope, _outputs=["y"])
@@ -160,10 +160,8 @@ class PReluRule(pattern.RewriteRuleClassBase):
     def rewrite(self, op, x: ir.Value, slope: ir.Value, y: ir.Value):
         p = y.producer().name
         pos = op.Relu(x, _name=f"{p}/Relu", _outputs=[f"{p}/relu_x"])
-        neg = op.Neg(x, _name=f"{p}/Neg", _outputs=[f"{p}/neg_x"])
-        relu_neg = op.Relu(neg, _name=f"{p}/ReluNeg", _outputs=[f"{p}/relu_neg_x"])
-        scaled = op.Mul(slope, relu_neg, _name=f"{p}/Mul", _outputs=[f"{p}/slope_relu_neg_x"])
-        return op.Sub(pos, scaled, _name=f"{p}/Sub")
+        neg = op.Mul(slope, _negative_part(op, p, x), _name=f"{p}/Mul", _outputs=[f"{p}/neg"])
+        return op.Add(pos, neg, _name=f"{p}/Add")
 
 
 def _remaining(model: ir.Model, op_types: tuple[str, ...]) -> list[str]:
