@@ -564,7 +564,7 @@ def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[Non
 
     Raises:
         ModelError: ``onnxruntime cannot run the model at batch B: it was exported at batch E
-            ...: compile with --batch-size E, or export it with a dynamic batch dimension``.
+            ...: use --batch-size E, or export it with a dynamic batch dimension``.
     """
     try:
         yield
