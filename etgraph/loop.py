@@ -1571,6 +1571,8 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
         run.cache.remove_temporaries()
     if not (out / CHECKPOINT_FILE).exists():
         log.info("no checkpoint in %s yet: restarting the run", out)
+        if progress:
+            tqdm.write(f"no checkpoint in {out} yet: the run starts over")
         start_log(out)
         carried = run.initial_state(model)
         del model
@@ -1582,4 +1584,6 @@ def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
         gc.collect()
     records = truncate_log(out, epoch)
     log.info("resuming %s at epoch %d of %d", out, epoch, config.epochs)
+    if progress:  # the user sees where the run continues from
+        tqdm.write(f"resuming {out} after epoch {epoch} of {config.epochs} (its last checkpoint)")
     return run.run(epoch, carried, records)

@@ -463,15 +463,17 @@ def test_resume_after_sigkill(tmp_path, default_profile, default_model_path, def
     killed_at = len(_losses(out))
     assert killed_at < 4, "the run finished before it could be killed"
     _, _, props = read_checkpoint(out / "checkpoint")  # the last good checkpoint loads
-    assert json.loads(props[RUN_PROPERTY])["epoch"] >= 1
+    saved_epoch = json.loads(props[RUN_PROPERTY])["epoch"]
+    assert saved_epoch >= 1
 
-    done = subprocess.run(
-        [sys.executable, "-m", "etgraph", "train", "--resume", str(out), "--quiet"],
+    done = subprocess.run(  # not --quiet: it says where it continues from
+        [sys.executable, "-m", "etgraph", "train", "--resume", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resuming {out} after epoch {saved_epoch} of 4 (its last checkpoint)" in done.stdout
     assert "val accuracy" in done.stdout
     records = _losses(out)
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]
