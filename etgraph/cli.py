@@ -153,7 +153,7 @@ _loss_option = click.option(
     type=click.Choice(CLI_LOSSES),
     default=None,
     help="ce: cross-entropy on logits [B, K] (labels: class indices); mse: mean squared error "
-    "on [B, D] (labels: float targets) [ce; a compiled directory's own].",
+    "on [B, D] (labels: float targets) [ce; train DIR: as compiled].",
 )
 _tokenizer_option = click.option(
     "--tokenizer",
@@ -188,9 +188,15 @@ def _model_input_options(command):
             "(BGR, 0-255 minus mean), paddle ((x/255-0.5)/0.5), none (x/255) [imagenet; "
             "train DIR: the plan's].",
         ),
-        click.option("--mean", default=None, help="Per-channel mean, e.g. 0.485,0.456,0.406."),
-        click.option("--std", default=None, help="Per-channel std, e.g. 0.229,0.224,0.225."),
-        click.option("--scale", default=None, type=float, help="Pixels (0-255) divided by it."),
+        click.option(
+            "--mean", default=None, help="Per-channel mean, e.g. 0.485,0.456,0.406 [the preset's]."
+        ),
+        click.option(
+            "--std", default=None, help="Per-channel std, e.g. 0.229,0.224,0.225 [the preset's]."
+        ),
+        click.option(
+            "--scale", default=None, type=float, help="Pixels (0-255) divided by it [the preset's]."
+        ),
         click.option(
             "--channel-order",
             default=None,
@@ -557,8 +563,12 @@ def compile_command(
 @_output_option
 @_loss_option
 @click.option("--threads", default=None, type=int, help="ORT threads [the profile's].")
-@click.option("--max-steps-per-epoch", default=None, type=int, help="Subsample each epoch.")
-@click.option("--max-val-batches", default=None, type=int, help="Subsample validation.")
+@click.option(
+    "--max-steps-per-epoch", default=None, type=int, help="Subsample each epoch [all its steps]."
+)
+@click.option(
+    "--max-val-batches", default=None, type=int, help="Subsample validation [every batch]."
+)
 @click.option("--probe-batches", default=1, show_default=True, type=int, help="Importance batches.")
 @click.option(
     "--open-loop",
