@@ -844,6 +844,30 @@ def test_zoo_style_model_is_upgraded_and_its_weights_found(tmp_path):
             raise error
 
 
+@pytest.mark.parametrize("held_in", ["initializer", "Constant"])
+def test_reshape_to_the_export_batch_copies_the_batch(tmp_path, held_in):
+    """x[1, ...] -> Conv -> Reshape(shape [1, -1]) -> Gemm: the shape constant, an initializer
+    (zoo models) or a Constant node (torch TRAINING exports), gets a leading 0."""
+    shape = numpy_helper.from_array(np.array([1, -1], np.int64), "flat_shape")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["c", "flat_shape"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw"], ["y"], name="fc", transB=1),
+    ]
+    inits = [random_initializer("w", (2, 3, 3, 3), scale=1.0)]
+    inits.append(random_initializer("fw", (4, 2 * 8 * 8), seed=1, scale=0.1))
+    if held_in == "Constant":
+        nodes.insert(0, helper.make_node("Constant", [], ["flat_shape"], name="k", value=shape))
+    else:
+        inits.append(shape)
+    original = make_model(nodes, inits)
+    legal = load_model(save_model(original, tmp_path))
+    x1, x2 = sample(seed=1), sample(seed=2)
+    both = ort_run(legal, np.concatenate([x1, x2]))
+    np.testing.assert_allclose(both[:1], ort_run(original, x1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(both[1:], ort_run(original, x2), rtol=1e-5, atol=1e-6)
+
+
 def test_materialize_weights_pass_alone():
     model = ir.from_proto(zoo_style_model())
     result = MaterializeWeightsPass()(model)

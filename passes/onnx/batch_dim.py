@@ -89,8 +89,9 @@ def _data_path(graph: ir.Graph) -> set[int]:
 
 
 def _free_reshapes(graph: ir.Graph, batch: int) -> int:
-    """Give data-path Reshapes whose constant shape starts with ``batch`` a leading 0 (copy the
-    input's batch); a shape constant used anywhere else is left alone. Returns the count."""
+    """Give data-path Reshapes whose constant shape (an initializer, or a ``Constant`` node as
+    a torch TRAINING export writes it) starts with ``batch`` a leading 0 (copy the input's
+    batch); a shape constant used anywhere else is left alone. Returns the count."""
     data = _data_path(graph)
     count = 0
     for node in graph:
@@ -99,14 +100,27 @@ def _free_reshapes(graph: ir.Graph, batch: int) -> int:
         data_in, shape_in = node.inputs[0], node.inputs[1]
         if data_in is None or id(data_in) not in data or shape_in is None:
             continue
-        const = shape_in.const_value
-        if const is None or not shape_in.is_initializer() or len(shape_in.uses()) != 1:
+        if len(shape_in.uses()) != 1:
+            continue
+        producer = shape_in.producer()
+        attr = None
+        if shape_in.is_initializer():
+            const = shape_in.const_value
+        elif producer is not None and producer.op_type == "Constant" and producer.domain == "":
+            attr = producer.attributes.get("value")
+            const = attr.as_tensor() if attr is not None else None
+        else:
+            continue
+        if const is None:
             continue
         target = const.numpy().astype(np.int64).reshape(-1)
         if target.size == 0 or target[0] != batch:
             continue
         target = target.copy()
         target[0] = 0
-        shape_in.const_value = ir.tensor(target, name=shape_in.name)
+        if attr is None:
+            shape_in.const_value = ir.tensor(target, name=shape_in.name)
+        else:
+            producer.attributes["value"] = ir.AttrTensor("value", ir.tensor(target))
         count += 1
     return count
