@@ -868,6 +868,35 @@ def test_reshape_to_the_export_batch_copies_the_batch(tmp_path, held_in):
     np.testing.assert_allclose(both[1:], ort_run(original, x2), rtol=1e-5, atol=1e-6)
 
 
+def test_reshape_to_a_concatenated_export_batch_copies_the_batch(tmp_path):
+    """torch's export of ``x.view(B, T * D)`` with B known at export (an attention's
+    ``[B, T, heads, d]``): the shape is a Concat of Unsqueezed scalar Constants, the batch's
+    shared with another shape. The Reshape's batch element becomes a 0 of its own."""
+    scalar = {
+        n: numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("b", 1), ("td", 24))
+    }
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    nodes = [
+        helper.make_node("Constant", [], ["b"], name="b", value=scalar["b"]),
+        helper.make_node("Constant", [], ["td"], name="td", value=scalar["td"]),
+        helper.make_node("Constant", [], ["axes"], name="axes", value=axes),
+        helper.make_node("Unsqueeze", ["b", "axes"], ["b1"], name="ub"),
+        helper.make_node("Unsqueeze", ["td", "axes"], ["td1"], name="utd"),
+        helper.make_node("Concat", ["b1", "td1"], ["shape"], name="cat", axis=0),
+        helper.make_node("Concat", ["b1", "b1"], ["other"], name="other_cat", axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw"], ["y"], name="fc", transB=1),
+    ]
+    inits = [random_initializer("fw", (4, 24), scale=1.0)]
+    original = make_model(nodes, inits, in_shape=(1, 4, 6))
+    legal = load_model(save_model(original, tmp_path))
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((3, 1, 4, 6)).astype(np.float32)
+    both = ort_run(legal, np.concatenate(list(xs)))
+    expected = np.concatenate([ort_run(original, x) for x in xs])
+    np.testing.assert_allclose(both, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_materialize_weights_pass_alone():
     model = ir.from_proto(zoo_style_model())
     result = MaterializeWeightsPass()(model)

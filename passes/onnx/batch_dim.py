@@ -4,8 +4,11 @@ model trains at any ``--batch-size`` (issue #14).
 The shapes recorded for intermediate values carry the old batch size and would contradict
 shape inference at another one (ORT: "Inferred shape and existing shape differ in dimension 0"),
 so they are dropped with it; ORT infers them again. Reshapes on the data path whose constant
-target shape starts with the old batch size (Caffe2-era zoo models flatten to ``[1, 2048]``)
-get ``0`` there instead: ONNX's "copy this dimension from the input".
+target shape starts with the old batch size (Caffe2-era zoo models flatten to ``[1, 2048]``;
+torch writes ``x.view(B, T, heads, d)`` with every size known at export as a Concat of scalar
+Constants) get ``0`` there instead: ONNX's "copy this dimension from the input". A batch
+folded into a product (``[T, B*heads, d]``) stays: the error at another batch names the export
+batch (:func:`etgraph.model.exported_batch_hint`).
 """
 
 from __future__ import annotations
@@ -88,6 +91,48 @@ def _data_path(graph: ir.Graph) -> set[int]:
     return reached
 
 
+def _constant_ints(value: ir.Value | None) -> np.ndarray | None:
+    """The int64 values of ``value`` when they are known statically: an initializer, a
+    ``Constant`` node, or an ``Unsqueeze`` of one (how torch writes a shape's elements)."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy().astype(np.int64).reshape(-1)
+    node = value.producer()
+    if node is None or node.domain != "":
+        return None
+    if node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().numpy().astype(np.int64).reshape(-1)
+    if node.op_type == "Unsqueeze" and node.inputs:
+        return _constant_ints(node.inputs[0])
+    return None
+
+
+def _free_concat_shape(graph: ir.Graph, concat: ir.Node, batch: int) -> int:
+    """A shape built by ``Concat`` (torch: ``x.view(B, T, heads, d)`` with every size known
+    at export) whose first element is the export batch: that element becomes a 0 of its own
+    (a new Constant; shared constants stay). Only for a Concat that feeds this one Reshape.
+    Returns 1 if rewritten."""
+    out = concat.outputs[0]
+    if len(out.uses()) != 1 or not concat.inputs:
+        return 0
+    first = _constant_ints(concat.inputs[0])
+    if first is None or first.size != 1 or first[0] != batch:
+        return 0
+    name = f"{concat.name or 'concat'}/batch"
+    zero = ir.Node(
+        "",
+        "Constant",
+        [],
+        attributes=[ir.AttrTensor("value", ir.tensor(np.zeros(1, np.int64)))],
+        name=name,
+    )
+    zero.outputs[0].name = name
+    graph.insert_before(concat, zero)
+    concat.replace_input_with(0, zero.outputs[0])
+    return 1
+
+
 def _free_reshapes(graph: ir.Graph, batch: int) -> int:
     """Give data-path Reshapes whose constant shape (an initializer, or a ``Constant`` node as
     a torch TRAINING export writes it) starts with ``batch`` a leading 0 (copy the input's
@@ -109,6 +154,9 @@ def _free_reshapes(graph: ir.Graph, batch: int) -> int:
         elif producer is not None and producer.op_type == "Constant" and producer.domain == "":
             attr = producer.attributes.get("value")
             const = attr.as_tensor() if attr is not None else None
+        elif producer is not None and producer.op_type == "Concat" and producer.domain == "":
+            count += _free_concat_shape(graph, producer, batch)
+            continue
         else:
             continue
         if const is None:
