@@ -134,9 +134,10 @@ def _free_concat_shape(graph: ir.Graph, concat: ir.Node, batch: int) -> int:
 
 
 def _free_reshapes(graph: ir.Graph, batch: int) -> int:
-    """Give data-path Reshapes whose constant shape (an initializer, or a ``Constant`` node as
-    a torch TRAINING export writes it) starts with ``batch`` a leading 0 (copy the input's
-    batch); a shape constant used anywhere else is left alone. Returns the count."""
+    """Give data-path Reshapes whose constant shape (an initializer, a ``Constant`` node as a
+    torch TRAINING export writes it, or torch's Concat of scalar Constants:
+    :func:`_free_concat_shape`) starts with ``batch`` a leading 0 (copy the input's batch); a
+    shape constant used anywhere else is left alone. Returns the count."""
     data = _data_path(graph)
     count = 0
     for node in graph:
