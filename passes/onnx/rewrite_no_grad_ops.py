@@ -94,9 +94,10 @@ def _negative_part(op, p: str, x: ir.Value) -> ir.Value:
     return op.Neg(relu_neg, _name=f"{p}/NegRelu", _outputs=[f"{p}/min_x_0"])
 
 
-def _elu(op, p: str, x: ir.Value, alpha: float, scale: float = 1.0) -> tuple[ir.Value, ir.Value]:
-    """The two terms of ``relu(x) + alpha * (exp(min(x, 0) / scale) - 1)``: Elu (scale 1) and
-    Celu (scale alpha); exact, since exp(0) - 1 = 0 where x >= 0."""
+def _elu(op, p: str, x: ir.Value, alpha: float, scale: float = 1.0, **output) -> ir.Value:
+    """``relu(x) + alpha * (exp(min(x, 0) / scale) - 1)``: Elu (scale 1) and Celu (scale
+    alpha); exact, since exp(0) - 1 = 0 where x >= 0. ``output``: the final Add's ``_outputs``
+    when it is not the rewrite's own output."""
     m = _negative_part(op, p, x)
     if scale != 1.0:
         m = op.Div(m, _constant(op, p, "scale", scale, x), _name=f"{p}/Div", _outputs=[f"{p}/m"])
@@ -104,7 +105,7 @@ def _elu(op, p: str, x: ir.Value, alpha: float, scale: float = 1.0) -> tuple[ir.
     em1 = op.Sub(e, _constant(op, p, "one", 1.0, x), _name=f"{p}/Sub", _outputs=[f"{p}/expm1"])
     neg = op.Mul(em1, _constant(op, p, "alpha", alpha, x), _name=f"{p}/Mul", _outputs=[f"{p}/n"])
     pos = op.Relu(x, _name=f"{p}/Relu", _outputs=[f"{p}/relu_x"])
-    return pos, neg
+    return op.Add(pos, neg, _name=f"{p}/Add", **output)
 
 
 class EluRule(pattern.RewriteRuleClassBase):
@@ -116,8 +117,7 @@ class EluRule(pattern.RewriteRuleClassBase):
     def rewrite(self, op, x: ir.Value, y: ir.Value):
         node = y.producer()
         p = node.name
-        pos, neg = _elu(op, p, x, node.attributes.get_float("alpha", 1.0))
-        return op.Add(pos, neg, _name=f"{p}/Add")
+        return _elu(op, p, x, node.attributes.get_float("alpha", 1.0))
 
 
 class CeluRule(pattern.RewriteRuleClassBase):
@@ -130,8 +130,7 @@ class CeluRule(pattern.RewriteRuleClassBase):
         node = y.producer()
         p = node.name
         alpha = node.attributes.get_float("alpha", 1.0)
-        pos, neg = _elu(op, p, x, alpha, scale=alpha)
-        return op.Add(pos, neg, _name=f"{p}/Add")
+        return _elu(op, p, x, alpha, scale=alpha)
 
 
 class SeluRule(pattern.RewriteRuleClassBase):
@@ -145,10 +144,8 @@ class SeluRule(pattern.RewriteRuleClassBase):
         p = node.name
         alpha = node.attributes.get_float("alpha", 1.67326319217681884765625)  # ONNX defaults
         gamma = node.attributes.get_float("gamma", 1.05070102214813232421875)
-        pos, neg = _elu(op, p, x, alpha)
-        elu = op.Add(pos, neg, _name=f"{p}/Add", _outputs=[f"{p}/elu"])
-        gamma = _constant(op, p, "gamma", gamma, x)
-        return op.Mul(elu, gamma, _name=f"{p}/MulGamma")
+        elu = _elu(op, p, x, alpha, _outputs=[f"{p}/elu"])
+        return op.Mul(elu, _constant(op, p, "gamma", gamma, x), _name=f"{p}/MulGamma")
 
 
 class PReluRule(pattern.RewriteRuleClassBase):
