@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 
 from etgraph.errors import UnsupportedOpError
-from etgraph.ops import data_path_values, no_gradient_ops, node_reads
+from etgraph.ops import data_path_values, is_default_domain, no_gradient_ops, node_reads
 
 __all__ = ["RefuseNoGradOpsPass", "graph_skeleton"]
 
@@ -61,7 +61,7 @@ class RefuseNoGradOpsPass(InPlacePass):
         carrying = data_path_values(skeleton)
         for node in skeleton.node:
             rule = no_gradient.get(node.op_type)
-            if rule is None or node.domain not in ("", "ai.onnx"):
+            if rule is None or not is_default_domain(node):
                 continue
             if any(  # a subgraph's outer reads count (node_reads): an If of the data
                 v in carrying for i, v in enumerate(node_reads(node)) if i not in rule.nondiff_slots

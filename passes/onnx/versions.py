@@ -21,6 +21,7 @@ from onnx import helper, version_converter
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from etgraph.errors import ModelError, first_line
+from etgraph.ops import is_default_domain
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def _drop_saved_batch_statistics(graph: onnx.GraphProto) -> None:
     13 -> 14 adapter refuses any node that has them (opset 14 removed them)."""
     read = {v for node in graph.node for v in node.input} | {o.name for o in graph.output}
     for node in graph.node:
-        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "BatchNormalization" or not is_default_domain(node):
             continue
         while len(node.output) > 3 and node.output[-1] not in read:
             node.output.pop()
