@@ -149,25 +149,17 @@ def _free_reshapes(graph: ir.Graph, batch: int) -> int:
         if len(shape_in.uses()) != 1:
             continue
         producer = shape_in.producer()
-        attr = None
-        if shape_in.is_initializer():
-            const = shape_in.const_value
-        elif producer is not None and producer.op_type == "Constant" and producer.domain == "":
-            attr = producer.attributes.get("value")
-            const = attr.as_tensor() if attr is not None else None
-        elif producer is not None and producer.op_type == "Concat" and producer.domain == "":
+        kind = "initializer" if shape_in.is_initializer() else None
+        if producer is not None and producer.domain == "":
+            kind = producer.op_type
+        if kind == "Concat":
             count += _free_concat_shape(graph, producer, batch)
             continue
-        else:
+        target = _constant_ints(shape_in) if kind in ("initializer", "Constant") else None
+        if target is None or target.size == 0 or target[0] != batch:
             continue
-        if const is None:
-            continue
-        target = const.numpy().astype(np.int64).reshape(-1)
-        if target.size == 0 or target[0] != batch:
-            continue
-        target = target.copy()
-        target[0] = 0
-        if attr is None:
+        target[0] = 0  # _constant_ints returns a copy
+        if kind == "initializer":
             shape_in.const_value = ir.tensor(target, name=shape_in.name)
         else:
             producer.attributes["value"] = ir.AttrTensor("value", ir.tensor(target))
