@@ -572,8 +572,6 @@ def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[Non
         exported = exported_batch(model)
         if exported is None or exported == batch_size or isinstance(exc, UnsupportedOpError):
             raise
-        if str(exc).startswith("onnxruntime cannot run the model at batch"):
-            raise  # already said (a nested call)
         cause = first_line(exc.__cause__ or exc)
         if len(cause) > 160:  # ORT's C++ signature first: its end says what failed
             cause = "... " + cause[-160:].split(" ", 1)[-1]
