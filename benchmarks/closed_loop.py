@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from etgraph.config import TrainConfig  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
-from etgraph.loop import TrainConfig, train  # noqa: E402
+from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.profile import default_cache_dir  # noqa: E402
 from etgraph.profiler import profile_model  # noqa: E402

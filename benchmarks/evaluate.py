@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 from etgraph import measure, profile, profiler, rundir, selection  # noqa: E402
 from etgraph.artifacts import ArtifactCache  # noqa: E402
+from etgraph.config import TrainConfig  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
 from etgraph.importance import ImportanceEvaluator  # noqa: E402
-from etgraph.loop import TrainConfig, train  # noqa: E402
+from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

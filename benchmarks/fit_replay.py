@@ -2,7 +2,7 @@
 
 For every closed- and open-loop run kept by ``benchmarks/closed_loop.py --json`` (default:
 ``benchmarks/results/closed_loop*.json``) and every period ``p >= 1``: the fit from the epochs
-before it (the clock and epochs the loop fits, :func:`etgraph.loop.fit_rows`) predicts the
+before it (the clock and epochs the loop fits, :func:`etgraph.clock.fit_rows`) predicts the
 ratio elastic / full of the selection period ``p`` ran, ``(model step + c) / (T_full + c)``,
 against the ratio measured alike in that period. Variants of the fit, side by side on the
 same periods:
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from etgraph.loop import fit_rows, spins  # noqa: E402
+from etgraph.clock import fit_rows, spins  # noqa: E402
 from etgraph.timing import fit_step_times  # noqa: E402
 
 #: name -> (the open loop's vote, which of the earlier epochs the fit sees)

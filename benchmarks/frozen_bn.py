@@ -38,8 +38,9 @@ sys.path.insert(0, str(ROOT))
 from etgraph import measure, profile, profiler, rundir  # noqa: E402
 from etgraph.artifacts import ArtifactCache  # noqa: E402
 from etgraph.checkpoint import CarriedState, write_checkpoint  # noqa: E402
+from etgraph.config import TrainConfig  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH, load_dataset  # noqa: E402
-from etgraph.loop import TrainConfig, train  # noqa: E402
+from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.sessions import TrainingSession  # noqa: E402
 

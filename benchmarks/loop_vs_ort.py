@@ -47,8 +47,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from etgraph.artifacts import ArtifactCache  # noqa: E402
+from etgraph.config import TrainConfig  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH, load_dataset  # noqa: E402
-from etgraph.loop import TrainConfig, train  # noqa: E402
+from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.profile import default_cache_dir  # noqa: E402
 from etgraph.profiler import profile_model  # noqa: E402

@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from etgraph import profile, profiler, rundir  # noqa: E402
-from etgraph.loop import TrainConfig, train  # noqa: E402
+from etgraph.config import TrainConfig  # noqa: E402
+from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.pipeline import compile_model  # noqa: E402
 from models import text  # noqa: E402

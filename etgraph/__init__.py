@@ -1,13 +1,117 @@
 """etgraph: ElasticTrainer (MobiSys '23) as a graph-level optimizer over ONNX models.
 
 Data flows one way: model -> tensor graph -> timings -> selection -> artifacts -> training.
+
+The public API (names in :data:`__all__`, imported on first use so that ``import etgraph``
+stays light)::
+
+    import etgraph
+
+    model = etgraph.load_model("model.onnx")                 # or an onnx.ModelProto
+    trainer = etgraph.ElasticTrainer(model, etgraph.profile_model(model),
+                                     etgraph.TrainConfig(epochs=4, period=1))
+    result = trainer.fit()                                    # or begin_period / train_epoch / step
+
+See the README's "Python API" section for a complete example.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 try:
     __version__ = version("etgraph")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+#: Public name -> the module that defines it (loaded on first access, PEP 562).
+_EXPORTS = {
+    "ArrayDataset": "data",
+    "Callback": "trainer",
+    "CheckpointError": "errors",
+    "ConfigError": "errors",
+    "DataError": "errors",
+    "Dataset": "data",
+    "ElasticTrainer": "trainer",
+    "EpochRecord": "rundir",
+    "EtgraphError": "errors",
+    "InfeasibleBudgetError": "errors",
+    "InfeasibleMemoryError": "errors",
+    "LoadedModel": "model",
+    "ModelError": "errors",
+    "PeriodInfo": "trainer",
+    "Preprocess": "data",
+    "Profile": "profile",
+    "ProfileMismatchError": "errors",
+    "TrainConfig": "config",
+    "TrainResult": "rundir",
+    "TrainingDivergedError": "errors",
+    "UnsupportedOpError": "errors",
+    "as_dataset": "data",
+    "load_model": "api",
+    "profile_model": "api",
+}
+
+__all__ = [
+    "__version__",
+    "ArrayDataset",
+    "Callback",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "Dataset",
+    "ElasticTrainer",
+    "EpochRecord",
+    "EtgraphError",
+    "InfeasibleBudgetError",
+    "InfeasibleMemoryError",
+    "LoadedModel",
+    "ModelError",
+    "PeriodInfo",
+    "Preprocess",
+    "Profile",
+    "ProfileMismatchError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainingDivergedError",
+    "UnsupportedOpError",
+    "as_dataset",
+    "load_model",
+    "profile_model",
+]
+
+if TYPE_CHECKING:  # the names as type checkers see them
+    from .api import load_model, profile_model
+    from .config import TrainConfig
+    from .data import ArrayDataset, Dataset, Preprocess, as_dataset
+    from .errors import (
+        CheckpointError,
+        ConfigError,
+        DataError,
+        EtgraphError,
+        InfeasibleBudgetError,
+        InfeasibleMemoryError,
+        ModelError,
+        ProfileMismatchError,
+        TrainingDivergedError,
+        UnsupportedOpError,
+    )
+    from .model import LoadedModel
+    from .profile import Profile
+    from .rundir import EpochRecord, TrainResult
+    from .trainer import Callback, ElasticTrainer, PeriodInfo
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'etgraph' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -634,9 +634,11 @@ def train_command(
 ):
     """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
     and digits data) with elastic tensor selection, re-selecting every --period epochs."""
-    from .loop import TrainConfig, load_run_data, resume, train
+    from .config import TrainConfig
+    from .loop import resume, train
     from .plan import read_plan, train_settings
     from .rundir import format_summary
+    from .trainer import load_run_data
 
     if resume_dir is not None:
         given = [  # everything but --resume and --quiet is the run's configuration

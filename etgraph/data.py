@@ -784,6 +784,36 @@ def load_npz_dataset(
             stored = {k: npz[k] for k in npz.files}
     except Exception as exc:
         raise DataError(f"{path} is not a readable .npz file ({exc}): {_NPZ_FIX}") from exc
+    return arrays_dataset(
+        path, stored, inputs=inputs, shapes=shapes, task=task, val_fraction=val_fraction, seed=seed
+    )
+
+
+def arrays_dataset(
+    name: str | os.PathLike,
+    stored: Mapping[str, np.ndarray],
+    *,
+    inputs: Sequence[InputSpec],
+    shapes: Mapping[str, Sequence[int]],
+    task: Task,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    n_val: int | None = None,
+) -> ArrayDataset:
+    """A dataset of arrays held in memory: one per model input (keyed by input name,
+    ``[N, ...]``) plus ``labels``, checked as :func:`load_npz_dataset` checks a file's.
+
+    Args:
+        name: what messages call the data (a file path, or e.g. ``"arrays"``).
+        stored: input name -> array, and ``labels``.
+        n_val: the last ``n_val`` rows are the validation set (data given as separate training
+            and validation arrays); None: ``val_fraction`` held out (stratified per class for
+            ce, random for mse, fixed by ``seed``).
+
+    Raises:
+        DataError: as :func:`load_npz_dataset`.
+    """
+    path = name
     arrays = {}
     for spec in inputs:
         if spec.name not in stored:
@@ -833,17 +863,20 @@ def load_npz_dataset(
             "float targets [N, D] for --loss mse)"
         )
     labels = _checked_labels(path, stored["labels"], n, task)
-    if task.loss == "ce":
+    if n_val is not None:
+        train, val = np.arange(n - n_val), np.arange(n - n_val, n)
+    elif task.loss == "ce":
         train, val = _stratified_split(labels, val_fraction, seed)
-        class_names = [str(i) for i in range(task.width or int(labels.max()) + 1)]
     else:
         train, val = _random_split(n, val_fraction, seed)
-        class_names = []
+    class_names = []
+    if task.loss == "ce":
+        class_names = [str(i) for i in range(task.width or int(labels.max()) + 1)]
     log.info("%s: %d examples (%d train, %d val)", path, n, train.size, val.size)
     return ArrayDataset(str(path), arrays, labels, train, val, class_names)
 
 
-def _checked_labels(path: Path, labels: np.ndarray, n: int, task: Task) -> np.ndarray:
+def _checked_labels(path, labels: np.ndarray, n: int, task: Task) -> np.ndarray:
     """``labels`` as int64 [N] (ce) or float32 [N, D] (mse), or a DataError naming the fix."""
     if len(labels) != n:
         raise DataError(f"{path}: 'labels' has {len(labels)} rows, the inputs {n}: give N each")
@@ -989,3 +1022,103 @@ def load_task_data(
         seed=seed,
         preprocess=preprocess,
     )
+
+
+def as_dataset(
+    data,
+    *,
+    inputs: Sequence[InputSpec],
+    shapes: Mapping[str, Sequence[int]],
+    task: Task,
+    spec: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    preprocess: Preprocess | None = None,
+    val_data=None,
+    all_val: bool = False,
+) -> Dataset | ArrayDataset:
+    """The dataset of any form a program may hand over.
+
+    Args:
+        data: None (``spec`` is loaded: :func:`load_task_data`), a :class:`Dataset` or
+            :class:`ArrayDataset` (as is), ``(inputs, labels)`` in memory — ``inputs`` one
+            array ``[N, ...]`` for a one-input model or input name -> array ``[N, ...]``,
+            ``labels`` int class indices ``[N]`` (loss ce) or float targets ``[N, D]`` (mse) —
+            or an iterable of such ``(inputs, labels)`` batches (concatenated: held in memory,
+            shuffled per example as any dataset).
+        val_data: validation data in memory, as ``data`` (not with a spec or a dataset);
+            default: ``val_fraction`` of ``data`` held out, stratified per class.
+        all_val: in-memory ``data`` is all validation (for evaluating on it).
+        Others: as :func:`load_task_data`.
+
+    Raises:
+        DataError: the data does not fit the model (:func:`arrays_dataset`), or is of no form
+            above.
+    """
+    if data is None:
+        if val_data is not None:
+            raise DataError("val_data needs data in memory (give both as arrays or batches)")
+        return load_task_data(
+            spec,
+            inputs=inputs,
+            shapes=shapes,
+            task=task,
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            seed=seed,
+            preprocess=preprocess,
+        )
+    if isinstance(data, (Dataset, ArrayDataset)):
+        if val_data is not None:
+            raise DataError("val_data needs data in memory, not a loaded dataset")
+        return data
+    stored = _in_memory(data, inputs)
+    n_val = len(stored["labels"]) if all_val else None
+    if val_data is not None:
+        held_out = _in_memory(val_data, inputs)
+        n_val = len(held_out["labels"])
+        stored = {k: np.concatenate([stored[k], held_out[k]]) for k in stored}
+    return arrays_dataset(
+        "arrays",
+        stored,
+        inputs=inputs,
+        shapes=shapes,
+        task=task,
+        val_fraction=val_fraction,
+        seed=seed,
+        n_val=n_val,
+    )
+
+
+def _in_memory(data, inputs: Sequence[InputSpec]) -> dict[str, np.ndarray]:
+    """``{input name: array, "labels": array}`` of ``(inputs, labels)`` or of an iterable of
+    such batches (concatenated)."""
+    names = [spec.name for spec in inputs]
+
+    def named(x) -> dict[str, np.ndarray]:
+        if isinstance(x, Mapping):
+            return {k: np.asarray(v) for k, v in x.items()}
+        if len(names) != 1:
+            raise DataError(
+                f"the model has inputs {names[:8]}: give the inputs as a dict keyed by input name"
+            )
+        return {names[0]: np.asarray(x)}
+
+    if isinstance(data, tuple) and len(data) == 2 and not isinstance(data[1], tuple):
+        stored = named(data[0])
+        stored["labels"] = np.asarray(data[1])
+        return stored
+    try:
+        batches = [(named(x), np.asarray(y)) for x, y in data]
+    except (TypeError, ValueError) as exc:
+        raise DataError(
+            "data in memory is (inputs, labels) arrays or an iterable of (inputs, labels) "
+            f"batches ({exc})"
+        ) from exc
+    if not batches:
+        raise DataError("the data holds no batch: give at least one (inputs, labels) batch")
+    keys = batches[0][0].keys()
+    stored = {k: np.concatenate([x[k] for x, _ in batches]) for k in keys}
+    stored["labels"] = np.concatenate([y for _, y in batches])
+    return stored

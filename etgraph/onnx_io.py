@@ -88,6 +88,22 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
     return legalize(model, source=str(path), output=output)
 
 
+def legalize_proto(
+    model: onnx.ModelProto, source: str = "<in-memory model>", output: str | None = None
+) -> onnx.ModelProto:
+    """As :func:`load_model` for a model already in memory (``model`` is not modified; its
+    external data, if any, must be loaded). ``source`` names it in messages.
+
+    Raises:
+        As :func:`load_model`.
+    """
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    if not model.graph.node:
+        raise ModelError(f"{source}: not an ONNX model with a graph")
+    _check(model, Path(source))
+    return legalize(model, source=source, output=output)
+
+
 def _check(model: onnx.ModelProto, path: Path) -> None:
     """``onnx.checker`` on the model as legalisation will write it: with IR version <= 10 (the
     pipeline lowers it; onnx 1.17's checker stops at IR 10)."""

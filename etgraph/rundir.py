@@ -128,7 +128,7 @@ class EpochRecord:
     artifacts_cache_hit: bool | None
     peak_rss_mb: float  # peak resident memory of this period so far
     steps: int
-    # Measured alike and the closed loop (etgraph.loop, "Measured alike, closed loop"):
+    # Measured alike and the closed loop (etgraph.clock):
     rho_requested: float
     rho_predicted: float  # (predicted + offset) / (t_full_us + offset), the fit of this period
     predicted_measured_step_us: float  # fit.scale * (predicted + offset); NaN before any fit
@@ -137,7 +137,7 @@ class EpochRecord:
     #   epoch's own median for `full`)
     reference_steps: int  # timed full reference steps (0 for `full`)
     rho_measured: float  # elastic / full step, each reference step against the elastic steps
-    #   around it (etgraph.loop.reference_ratio)
+    #   around it (etgraph.clock.reference_ratio)
     reference_s: float  # reference steps (warm-ups included) + opening their session
     fit_s: float  # fitting the time model (in selection_s)
     fit_scale: float  # StepTimeFit.scale used by this period's selection

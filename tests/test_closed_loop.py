@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from etgraph import timing
-from etgraph.loop import reference_positions, reference_ratio
+from etgraph.clock import reference_positions, reference_ratio
 from etgraph.selection import select_for_rho
 from etgraph.timing import min_feasible_backward_us
 
@@ -158,7 +158,8 @@ def test_closed_loop_run_logs_measured_alike_figures(tmp_path, default_profile, 
     """A real run: every epoch has full reference steps measured in the loop, from period 1
     the DP selects with a model fitted to them, and the summary's rho and speedup are those
     measurements (not the profile's full step, measured under profiling)."""
-    from etgraph.loop import TrainConfig, train
+    from etgraph.config import TrainConfig
+    from etgraph.loop import train
     from etgraph.rundir import read_log
 
     prof, _ = default_profile
@@ -199,8 +200,8 @@ def test_closed_loop_run_logs_measured_alike_figures(tmp_path, default_profile, 
 
 def test_deadline_parsing_and_config():
     from etgraph.cli import parse_duration
+    from etgraph.config import TrainConfig
     from etgraph.errors import ConfigError
-    from etgraph.loop import TrainConfig
 
     assert parse_duration("90s") == 90.0 and parse_duration("10m") == 600.0
     assert parse_duration("1.5h") == 5400.0 and parse_duration(" 45 ") == 45.0
@@ -217,8 +218,9 @@ def test_deadline_parsing_and_config():
 def test_deadline_mode_chooses_rho_per_period(tmp_path, default_profile, default_model):
     """An impossible deadline is one error at the start naming the shortest feasible one; a
     feasible one makes the run pick rho per period within [cheapest, 1] and report the time."""
+    from etgraph.config import TrainConfig
     from etgraph.errors import ConfigError
-    from etgraph.loop import TrainConfig, train
+    from etgraph.loop import train
     from etgraph.rundir import read_log
     from etgraph.timing import min_feasible_rho
 

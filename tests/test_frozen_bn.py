@@ -19,9 +19,10 @@ from etgraph.artifacts import (
     selection_key,
 )
 from etgraph.checkpoint import CarriedState, read_checkpoint, write_checkpoint
+from etgraph.config import TrainConfig
 from etgraph.data import load_dataset
 from etgraph.errors import ConfigError
-from etgraph.loop import TrainConfig, train
+from etgraph.loop import train
 from etgraph.sessions import TrainingSession
 from passes.base import run_passes
 from passes.onnx import InferenceBatchNormPass, frozen_batch_norms

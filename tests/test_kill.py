@@ -24,7 +24,8 @@ import pytest
 
 from etgraph.artifacts import ARTIFACT_FILES, ArtifactPaths
 from etgraph.checkpoint import read_checkpoint
-from etgraph.loop import TrainConfig, resume, train
+from etgraph.config import TrainConfig
+from etgraph.loop import resume, train
 from etgraph.model import LoadedModel
 from etgraph.rundir import RUN_PROPERTY
 
@@ -109,7 +110,8 @@ elif point == "checkpoint-renamed":
 else:
     raise SystemExit(f"unknown kill point {point}")
 
-from etgraph.loop import TrainConfig, train
+from etgraph.config import TrainConfig
+from etgraph.loop import train
 from etgraph.model import LoadedModel
 from etgraph.profile import Profile
 

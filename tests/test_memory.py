@@ -12,11 +12,12 @@ import pytest
 from helpers import make_model, random_initializer, run_cli, run_cli_in_process, save_model
 from onnx import TensorProto, helper
 
-from etgraph import loop as loop_module
+from etgraph import period as period_module
 from etgraph.artifacts import ArtifactCache
+from etgraph.config import TrainConfig
 from etgraph.data import DEFAULT_MODEL_PATH
 from etgraph.errors import ConfigError, InfeasibleMemoryError, ProfileMismatchError
-from etgraph.loop import TrainConfig, train
+from etgraph.loop import train
 from etgraph.memory import (
     MEMORY_FORMAT_VERSION,
     MemoryProfile,
@@ -388,7 +389,7 @@ def test_budgeted_run_carries_state_exactly_as_an_unbounded_one(
     def unbaked(*args, **kwargs) -> TrainingSession:
         return TrainingSession(*args, **{**kwargs, "bake": False})
 
-    monkeypatch.setattr(loop_module, "TrainingSession", unbaked)
+    monkeypatch.setattr(period_module, "TrainingSession", unbaked)
     runs = {}
     for name, budget in (("free", None), ("bounded", 4 * mem.full_peak_mb)):
         config = dataclasses.replace(base, memory_mb=budget)

@@ -9,8 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from etgraph.clock import fit_clock
+from etgraph.config import TrainConfig
 from etgraph.errors import ConfigError
-from etgraph.loop import TrainConfig, fit_clock
 from etgraph.sessions import ROLES, TRAIN_CANDIDATES, ConfigChoice, pick_fastest
 
 
@@ -96,26 +97,26 @@ def test_run_probes_session_options_without_changing_what_it_trains(
     epoch) at learning rate 0 on a throwaway copy: the run trains exactly what a run with the
     options given trains (open loop: same selections, same losses). On a loaded machine it
     does not probe (spinning off, the reason in the summary)."""
-    from etgraph import loop
+    from etgraph import ort_probe
     from etgraph.loop import train
     from etgraph.rundir import read_log
 
     prof, _ = default_profile
     common = dict(epochs=2, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
-    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", 0.0)  # every load is too high
+    monkeypatch.setattr(ort_probe, "PROBE_MAX_LOAD_PER_CORE", 0.0)  # every load is too high
     cfg = TrainConfig(closed_loop=False, **common)
     loaded = train(default_model, prof, cfg, tmp_path / "loaded", progress=False)
     assert loaded.ort_config == "off" and loaded.ort_probe_s == 0
     assert loaded.ort_note.startswith("not probed: load average")
-    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # probe at any load
+    monkeypatch.setattr(ort_probe, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # probe at any load
     short = train(default_model, prof, cfg, tmp_path / "short", progress=False)
     assert short.ort_probe_s == 0 and "too few to pay for it" in short.ort_note
-    assert short.ort_config == loop.QUIET_CANDIDATE  # below the load gate: a quiet machine
+    assert short.ort_config == ort_probe.QUIET_CANDIDATE  # below the load gate: a quiet machine
     for a, b in zip(read_log(tmp_path / "short"), read_log(tmp_path / "loaded"), strict=True):
         assert a["selection"] == b["selection"]  # other options, the same training
         np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-5)
-    monkeypatch.setattr(loop, "PROBE_COST_FULL_STEPS", 0)  # and in a short run
-    monkeypatch.setattr(loop, "REPROBE_FACTOR", 1.0 + 1e-9)  # and again every period
+    monkeypatch.setattr(ort_probe, "PROBE_COST_FULL_STEPS", 0)  # and in a short run
+    monkeypatch.setattr(ort_probe, "REPROBE_FACTOR", 1.0 + 1e-9)  # and again every period
     runs = {}
     for spinning in ("auto", "off"):
         cfg = TrainConfig(closed_loop=False, spinning=spinning, **common)
@@ -138,7 +139,7 @@ def test_run_probes_session_options_without_changing_what_it_trains(
 
 
 def test_reference_steps_are_counted_over_the_period():
-    from etgraph.loop import period_reference_positions
+    from etgraph.clock import period_reference_positions
 
     # the default model's 179-step epochs, period 3, rho 0.5, 1 %: one per period
     per_epoch = period_reference_positions(179, 3, 0.01, 0.5)
@@ -153,46 +154,55 @@ def test_reference_steps_are_counted_over_the_period():
 
 
 def test_recheck_after_a_slowdown_chooses_spinning_off_in_a_run_too_short_to_probe(
-    tmp_path, default_profile, default_model, monkeypatch
+    monkeypatch,
 ):
     """A re-check is called because the full step moved: slower means other work started
     (the 1-minute load average lags it), so a run too short to probe turns spinning off rather
     than taking the quiet-machine choice; the next period's step is then the base to watch."""
-    from etgraph import loop
+    from etgraph import ort_probe
 
-    prof, _ = default_profile
-    monkeypatch.setattr(loop, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # the load reads quiet
-    cfg = TrainConfig(epochs=2, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
-    run = loop._Run(default_model, prof, cfg, tmp_path, artifacts_root=None, progress=False)
-    assert run.choose_ort_config() and run.ort.label == loop.QUIET_CANDIDATE
-    record = {"reference_step_us": 1e3}
-    assert not run.recheck_ort_config([record]) and run._ort_base_ms == 1.0  # the base
-    assert not run.recheck_ort_config([{"reference_step_us": 1.2e3}])  # within the factor
-    assert run.recheck_ort_config([{"reference_step_us": 2e3}])  # 2x slower: changed
-    assert run.ort.label == "off" and "2.0x slower" in run.ort.note
-    assert run._ort_base_ms is None  # measured again in the new options
-    assert not run.recheck_ort_config([{"reference_step_us": 1.5e3}])
-    assert run._ort_base_ms == 1.5
-    assert run.recheck_ort_config([{"reference_step_us": 0.5e3}])  # 3x faster: quiet again
-    assert run.ort.label == loop.QUIET_CANDIDATE
+    monkeypatch.setattr(ort_probe, "PROBE_MAX_LOAD_PER_CORE", float("inf"))  # reads quiet
+    options = ort_probe.OrtOptions("auto", bounded=False, threads=None, total_steps=24)
+
+    def no_probe():
+        raise AssertionError("a run this short is never probed")
+
+    def choose():
+        return options.choose(0.6, no_probe, None, ["x"])
+
+    def recheck(records):
+        return options.recheck(records, 1, 0.6, no_probe, None, ["x"])[0]
+
+    assert choose() == (True, None) and options.choice.label == ort_probe.QUIET_CANDIDATE
+    assert not recheck([{"reference_step_us": 1e3}]) and options._base_ms == 1.0  # the base
+    assert not recheck([{"reference_step_us": 1.2e3}])  # within the factor
+    assert recheck([{"reference_step_us": 2e3}])  # 2x slower: changed
+    assert options.choice.label == "off" and "2.0x slower" in options.choice.note
+    assert options._base_ms is None  # measured again in the new options
+    assert not recheck([{"reference_step_us": 1.5e3}])
+    assert options._base_ms == 1.5
+    assert recheck([{"reference_step_us": 0.5e3}])  # 3x faster: quiet again
+    assert options.choice.label == ort_probe.QUIET_CANDIDATE
     # spinning on: elastic steps 2.3x slower than predicted call a re-check even when the one
     # reference step moved less than the factor
-    assert not run.recheck_ort_config([{"reference_step_us": 0.5e3}])  # the new base
+    assert not recheck([{"reference_step_us": 0.5e3}])  # the new base
     slow = {"reference_step_us": 0.6e3, "median_step_us": 2.3e3, "predicted_measured_step_us": 1e3}
-    assert run.recheck_ort_config([slow]) and run.ort.label == "off"
-    assert "2.3x slower" in run.ort.note
+    assert recheck([slow]) and options.choice.label == "off"
+    assert "2.3x slower" in options.choice.note
 
 
-def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(tmp_path, default_profile, default_model):
+def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(default_profile):
     """After a re-check turned spinning off, the closed loop fits process CPU time, and the
     epochs trained with spinning on (their CPU time counts the spinning) are left out; until
     such an epoch exists, those epochs' wall-clock fit is used."""
-    from etgraph import loop
-    from etgraph.sessions import ConfigChoice
+    from etgraph.clock import fit_time_model
 
     prof, _ = default_profile
-    cfg = TrainConfig(epochs=3, period=1, rho=0.6, max_steps_per_epoch=12, max_val_batches=2)
-    run = loop._Run(default_model, prof, cfg, tmp_path, artifacts_root=None, progress=False)
+
+    def fit(records, spinning):
+        return fit_time_model(
+            records, spinning=spinning, closed_loop=True, t_full_us=prof.t_full_us
+        )
 
     def epoch(label, spin):
         return {
@@ -206,11 +216,9 @@ def test_fit_by_cpu_time_skips_epochs_whose_sessions_spun(tmp_path, default_prof
         }
 
     records = [epoch("on+stop", 1.8), epoch("on+stop", 1.8), epoch("off", 1.0)]
-    run.ort = ConfigChoice.given("off")
-    assert run.fit_time_model(records).observations == 1
+    assert fit(records, spinning=False).observations == 1  # CPU time: the "off" epoch
     # Right after the switch no epoch without spinning exists: their wall-clock fit, not the
     # CPU time the spinning inflated (that would put the offset far from 0 here).
-    first = run.fit_time_model(records[:2])
+    first = fit(records[:2], spinning=False)
     assert first.observations == 2 and first.offset_us == pytest.approx(0.0, abs=1e-6)
-    run.ort = ConfigChoice.given("on+stop")  # wall clock: every epoch counts
-    assert run.fit_time_model(records).observations == 3
+    assert fit(records, spinning=True).observations == 3  # wall clock: every epoch counts

@@ -13,9 +13,9 @@ from helpers import assert_user_error, run_cli_in_process
 from PIL import Image
 
 from etgraph import data
+from etgraph.config import TrainConfig
 from etgraph.data import PREPROCESS_PRESETS, Preprocess, load_dataset, make_preprocess
 from etgraph.errors import ConfigError, EtgraphError
-from etgraph.loop import TrainConfig
 from etgraph.plan import read_plan, train_settings
 
 #: One known pixel (R, G, B) in 0-255, the whole image that colour.

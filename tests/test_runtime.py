@@ -21,17 +21,19 @@ import pytest
 from etgraph import rundir
 from etgraph.artifacts import ArtifactCache
 from etgraph.checkpoint import CarriedState, read_checkpoint, write_checkpoint
+from etgraph.config import TrainConfig
 from etgraph.errors import (
     CheckpointError,
     ConfigError,
     InfeasibleBudgetError,
     TrainingDivergedError,
 )
-from etgraph.loop import TrainConfig, cosine_learning_rate, resume, train
+from etgraph.loop import resume, train
 from etgraph.model import LoadedModel
 from etgraph.rundir import RUN_PROPERTY
 from etgraph.selection import strategy_mask
 from etgraph.sessions import TrainingSession, evaluate_onnx
+from etgraph.steps import cosine_learning_rate
 
 QUICK = dict(max_steps_per_epoch=8, max_val_batches=12)
 

@@ -1,0 +1,289 @@
+"""The run's clock: full reference steps measured alike, the time-model fit and deadline planning.
+
+What the period loop measures and how it turns measurements into the next selection's budget
+(paper §2.2: the step time a selection costs; issue #16's closed loop):
+
+* **Reference steps** — a few full training steps (all tensors) interleaved with a period's
+  elastic steps, on the same batches and clock (:func:`period_reference_positions`), so that
+  achieved rho is an elastic step over a full step measured alike (:func:`reference_ratio`).
+* **The fit** — every period the time model is fitted to the epochs measured so far
+  (:func:`fit_time_model`; by process CPU time unless the sessions spin, :func:`fit_clock`).
+* **Deadline mode** — :class:`DeadlinePlanner` chooses rho per period from the measured
+  progress so that the run ends at its deadline, and refuses at the start a deadline the
+  cheapest selection cannot meet.
+
+Pure functions over epoch records (the dicts of :class:`etgraph.rundir.EpochRecord`) and
+times; no session, no file.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError
+from .sessions import TRAIN_CANDIDATES
+from .timing import StepTimeFit, fit_step_times
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FINISH_S",
+    "REFERENCE_WARMUP",
+    "RHO_TOLERANCE",
+    "DeadlinePlanner",
+    "fit_clock",
+    "fit_rows",
+    "fit_time_model",
+    "period_reference_positions",
+    "reference_positions",
+    "reference_ratio",
+    "spins",
+]
+
+#: Full steps before each reference step's last: the elastic steps around it have warm caches,
+#: and so would full training's. All are timed and the reference is the fastest: the first
+#: after elastic steps is ~5% slower, but one full step can also be stalled by a neighbour (a
+#: 263 ms reference among 191-197 ms ones on ResNet50 at 128 px, quiet machine, made its
+#: period 28% off), and the minimum of two keeps that period within ~5%.
+REFERENCE_WARMUP = 1
+
+#: Once the closed loop has corrected the time model with measured steps, rho is a target
+#: within this fraction, not only a ceiling (:func:`etgraph.selection.select_for_rho`
+#: ``tolerance``; issue #16's target band): on a model of few tensors the selection nearest rho
+#: may lie just above it. Not with the profile's model alone: VGG16 at 128 px, whose profile
+#: under-predicts its selections by ~6%, then ran the selection taken above rho at 1.10x.
+RHO_TOLERANCE = 0.05
+
+#: Seconds the end of a run takes besides scoring the exported model (export, plots, summary,
+#: the interpreter's exit with ORT and torch loaded) at the profile's speed, which deadline mode
+#: keeps free at the end, times the machine's slowdown since (the full step measured now over
+#: the profile's, at least 1). Measured on the default model: 0.4 s to the summary (plots 0.35
+#: s) and 0.15-0.3 s of exit on a quiet machine; 2-4 s of exit alone at load 7-11, where steps
+#: ran 3-5x slower than profiled. A fixed 2.5 s (until session 7) ended quiet runs 12-34% early.
+FINISH_S = 0.6
+
+
+# ---- reference steps --------------------------------------------------------------------------
+
+
+def reference_positions(steps: int, count: int) -> frozenset[int]:
+    """Indices (0-based) of the ``count`` steps of an epoch of ``steps`` after which a reference
+    step runs: spread evenly, never after step 0 (a fresh session's first step) unless the
+    epoch has one step."""
+    if steps <= 1:
+        return frozenset([0])
+    count = min(count, steps - 1)
+    return frozenset(1 + int((j + 0.5) * (steps - 1) / count) for j in range(count))
+
+
+def period_reference_positions(
+    steps_per_epoch: int, epochs: int, budget: float, rho: float
+) -> list[frozenset[int]]:
+    """Per epoch of a period, the steps (0-based) after which a full reference step runs.
+
+    Counted over the period, not per epoch: ``budget`` of the period's elastic step time (a
+    reference step costs ``1 + REFERENCE_WARMUP`` full steps, a full step about ``1 / rho``
+    elastic ones), at least one per period, spread evenly over the period's steps
+    (:func:`reference_positions`), so an epoch may have none. On the default model's 179-step
+    epochs at period 3 and rho 0.5 that is one per period, about 0.75% of its time (one per
+    epoch was 2.1-2.5%).
+
+    Args:
+        steps_per_epoch: >= 1. epochs: epochs in the period, >= 1. budget: fraction in (0, 1].
+        rho: the period's requested rho, in (0, 1].
+    """
+    steps = steps_per_epoch * epochs
+    count = max(1, int(budget * rho * steps / (1 + REFERENCE_WARMUP)))
+    out: list[set[int]] = [set() for _ in range(epochs)]
+    for i in reference_positions(steps, count):
+        out[i // steps_per_epoch].add(i % steps_per_epoch)
+    return [frozenset(s) for s in out]
+
+
+def reference_ratio(
+    step_times: list[float], reference_times: list[tuple[int, float]], first: int = 0
+) -> float:
+    """Elastic over full step, measured alike: for each reference step (taken after elastic
+    step ``i``), the median of the elastic steps around it (``i-4 .. i`` and ``i+2 .. i+6``:
+    the step right after it pays for the switch of sessions) over its time; the median over the
+    epoch's reference steps. Load drift slower than a few steps cancels. NaN without any.
+
+    Args:
+        step_times: the epoch's elastic step times (s), in order.
+        reference_times: ``(i, seconds)`` per timed reference step.
+        first: elastic steps before this index are not used (a fresh session's first step).
+    """
+    ratios = []
+    for i, ref in reference_times:
+        window = [j for j in (*range(i - 4, i + 1), *range(i + 2, i + 7)) if first <= j]
+        local = [step_times[j] for j in window if j < len(step_times)]
+        if local and ref > 0:
+            ratios.append(float(np.median(local)) / ref)
+    return float(np.median(ratios)) if ratios else float("nan")
+
+
+# ---- the fit ----------------------------------------------------------------------------------
+
+
+def spins(label: str) -> bool:
+    """Whether the sessions of a logged ``ort_config`` label spun (unknown labels: no)."""
+    config = TRAIN_CANDIDATES.get(label)
+    return bool(config is not None and config.spinning)
+
+
+def fit_clock(spinning: bool) -> str:
+    """The measurements the closed loop fits, by the run's sessions' spinning: ``"_cpu"`` =
+    process CPU time (every thread of the process) when their pool threads do not spin (CPU
+    time is then work, not waiting), ``""`` = wall time when they spin (a spinning thread's CPU
+    time is waiting). On a machine shared with other work the wall time of one reference step
+    swings 2x with the neighbours' load, its CPU time by a few % (README, "Closed loop"); on a
+    quiet device, where spinning wins (:func:`etgraph.sessions.choose_train_config`), they
+    agree."""
+    return "" if spinning else "_cpu"
+
+
+def fit_rows(records: list[dict], spinning: bool) -> tuple[str, list[dict]]:
+    """``(clock, epochs)`` the closed loop fits when its sessions' spinning is ``spinning``
+    (:func:`fit_clock`): the epochs with reference steps, by process CPU time only those whose
+    sessions did not spin (a spinning pool's CPU time is waiting: epochs before a re-check
+    turned spinning off would skew the fit — MobileNetV2 under a hog: scale 1.9, the next
+    period 21% low by wall clock). Right after such a switch none is left: the wall clock of
+    the epochs that spun then (their wall time is real time; at the switch period of 8 logged
+    CPU-hog runs it predicted the measured ratio within 7.4% on average, the profile's model
+    within 9.5%)."""
+    clock = fit_clock(spinning)
+    measured = [r for r in records if r.get("reference_steps")]
+    rows = [r for r in measured if clock == "" or not spins(r.get("ort_config", "off"))]
+    return (clock, rows) if rows else ("", measured)
+
+
+def fit_time_model(
+    records: list[dict], *, spinning: bool, closed_loop: bool, t_full_us: float
+) -> StepTimeFit:
+    """The time-model correction from the epochs measured so far (:func:`fit_rows`,
+    :func:`etgraph.timing.fit_step_times`); the identity in the open loop or before any
+    reference step.
+
+    Args:
+        records: the run's epoch records so far. spinning: the sessions' spinning now.
+        closed_loop: False = the open loop (the profile's time model as is).
+        t_full_us: the profile's full step, µs.
+    """
+    clock, rows = fit_rows(records, spinning)
+    if not closed_loop or not rows:
+        return StepTimeFit()
+    return fit_step_times(
+        [r["predicted_step_us"] for r in rows],
+        [r[f"median_step{clock}_us"] for r in rows],
+        [r[f"reference_step{clock}_us"] for r in rows],
+        t_full_us,
+    )
+
+
+# ---- deadline mode ----------------------------------------------------------------------------
+
+
+@dataclass
+class DeadlinePlanner:
+    """Deadline mode: the rho of each period that ends the run (training, validation, export)
+    ``deadline_s`` after ``started_at``.
+
+    Attributes:
+        deadline_s: the deadline, seconds from ``started_at``.
+        started_at: ``time.perf_counter()`` when the run (or the command) started.
+        epochs, period, steps_per_epoch: the run's shape.
+        val_batches: validation batches per epoch.
+        floor_rho: the cheapest selection's rho (:func:`etgraph.timing.min_feasible_rho`).
+        profiled_full_step_s: the profile's measured full step, s.
+        full_step_now_s: measures a full step now, s (a warm all-trainable session).
+    """
+
+    deadline_s: float
+    started_at: float
+    epochs: int
+    period: int
+    steps_per_epoch: int
+    val_batches: int
+    floor_rho: float
+    profiled_full_step_s: float
+    full_step_now_s: Callable[[], float] = field(repr=False)
+
+    def check(self) -> None:
+        """Raise ConfigError at the start when even the cheapest selection cannot finish in time.
+
+        Raises:
+            ConfigError: names the shortest feasible deadline: the time already spent, the
+                cheapest selection's steps at the profile's measured full step, and the epochs'
+                and the end's other costs as :meth:`rho` plans them.
+        """
+        elapsed = time.perf_counter() - self.started_at
+        fixed, end = self._untrained_epoch_costs_s(self.profiled_full_step_s)
+        steps = self.epochs * self.steps_per_epoch
+        need = elapsed + steps * self.floor_rho * self.profiled_full_step_s
+        need += self.epochs * fixed + end
+        if self.deadline_s < need:
+            raise ConfigError(
+                f"deadline {self.deadline_s:g} s cannot be met: even the cheapest selection "
+                f"(rho {self.floor_rho:.2f}) needs about {math.ceil(need)} s for "
+                f"{steps} steps on this device: give --deadline {math.ceil(need)}s "
+                "or more, or fewer --epochs"
+            )
+
+    def rho(self, epoch: int, records: list[dict]) -> float:
+        """The rho of the period starting at ``epoch`` (0-based) that ends the run at the deadline.
+
+        The time left, ``deadline_s - elapsed - end`` (``end``: scoring and exporting the
+        model, estimated as one validation pass plus :data:`FINISH_S` times the slowdown), is
+        spent on ``E`` epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last
+        period's epochs (measured progress, the machine's load included): ``u`` = mean step /
+        the rho it was asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside
+        its steps (re-selection, reference steps, validation; not the one-off choice of
+        session options). Before any epoch: ``u`` = a full step measured now
+        (``full_step_now_s``), ``fixed`` = a validation pass at a third of a full step per
+        batch. Clamped to [the cheapest selection's rho, 1].
+        """
+        epochs_left = self.epochs - epoch
+        left_s = self.deadline_s - (time.perf_counter() - self.started_at)
+        last = records[-min(self.period, len(records)) :] if records else []
+        if last:
+            u = float(np.mean([r["measured_step_us"] / r["rho_requested"] for r in last])) * 1e-6
+            fixed = float(
+                np.mean(
+                    [
+                        r["wall_time_s"]
+                        - r.get("ort_probe_s", 0.0)  # one-off, not per epoch
+                        + r["val_s"]
+                        - r["steps"] * r["measured_step_us"] * 1e-6
+                        for r in last
+                    ]
+                )
+            )
+            full_us = last[-1].get("reference_step_us", float("nan"))  # measured alike
+            end = last[-1]["val_s"] + FINISH_S * self._slowdown(full_us * 1e-6)
+        else:  # nothing trained yet: full steps now, and validation at a third of one per batch
+            u = self.full_step_now_s()
+            fixed, end = self._untrained_epoch_costs_s(u)
+        steps = epochs_left * self.steps_per_epoch
+        rho = (left_s - end - epochs_left * fixed) / (steps * u) if u > 0 else 1.0
+        chosen = float(min(1.0, max(rho, self.floor_rho * 1.02)))
+        log.info("deadline: %.1f s left for %d epochs -> rho %.3f", left_s, epochs_left, chosen)
+        return chosen
+
+    def _untrained_epoch_costs_s(self, full_step_s: float) -> tuple[float, float]:
+        """``(fixed, end)`` of :meth:`rho` before any epoch has run: an epoch's time outside
+        its steps (a validation pass at a third of a full step per batch) and the end of the
+        run (one more validation pass, and :data:`FINISH_S` times the slowdown), s."""
+        fixed = self.val_batches * full_step_s / 3
+        return fixed, fixed + FINISH_S * self._slowdown(full_step_s)
+
+    def _slowdown(self, full_step_s: float) -> float:
+        """How much slower than profiled the machine runs: a full step measured now (s) over
+        the profile's, at least 1 (1 when not measured)."""
+        ratio = full_step_s / self.profiled_full_step_s
+        return max(1.0, ratio) if math.isfinite(ratio) else 1.0

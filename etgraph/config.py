@@ -1,0 +1,174 @@
+"""The settings of one training run (:class:`TrainConfig`) and its learning-rate schedule.
+
+Kept apart from the loop so that a program, the CLI and ``run.json`` share one definition of a
+run's configuration (:meth:`TrainConfig.to_json` / :meth:`TrainConfig.from_json`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from passes.onnx import DEFAULT_FROZEN_BN
+
+from .artifacts import check_frozen_bn
+from .data import DEFAULT_PREPROCESS, Preprocess
+from .errors import ConfigError
+from .selection import BUDGETED_STRATEGIES, STRATEGIES
+from .sessions import TRAIN_CANDIDATES
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one training run (paper §8 defaults: 12 epochs, batch 4, lr 1e-4).
+
+    Attributes:
+        epochs: training epochs (> 0).
+        batch_size: examples per step (> 0); must match the profile's batch size.
+        learning_rate: peak AdamW learning rate (> 0), decayed by a cosine over all steps.
+        weight_decay: AdamW decoupled weight decay (>= 0).
+        rho: requested step time as a fraction of full training's, in (0, 1].
+        period: epochs between re-selections (> 0; paper: 3).
+        strategy: one of :data:`etgraph.selection.STRATEGIES`.
+        seed: run seed (data order, probe batches, train/val split).
+        data: dataset spec for :func:`etgraph.data.load_task_data` (None = embedded digits
+            task).
+        tokenizer: the model's ``tokenizer.json`` for text data (``data`` a .csv/.jsonl file).
+        val_fraction: fraction of each class held out for validation.
+        probe_batches: probe batches per importance evaluation (paper: one batch of 4).
+        max_steps_per_epoch: cap on training steps per epoch (None = the whole training set);
+            for quick runs on a subsample.
+        max_val_batches: cap on validation batches (None = the whole validation set).
+        resolution: DP time resolution T_q (None = 1-µs units, exact).
+        threads: ORT intra-op threads (None = ORT's default); use the profile's setting.
+        frozen_bn: how a batch norm whose gamma and beta are both unselected runs:
+            ``"inference"`` (running statistics used and kept) or ``"train"`` (batch
+            statistics; running statistics updated) — :mod:`etgraph.artifacts`.
+        preprocess: the model's input normalisation for image-folder data
+            (:class:`etgraph.data.Preprocess`; the embedded digits keep their own).
+        closed_loop: re-fit the time model to the measured steps every period and select with
+            the corrected model (selections then vary with the machine's timing).
+        reference_budget: share of each period's elastic step time spent on full reference
+            steps, in (0, 1] (at least one per period); more = a less noisy achieved rho and fit.
+        deadline_s: finish the run (training, validation, export) within this many seconds
+            of its start, choosing rho per period from the measured progress
+            (:class:`etgraph.clock.DeadlinePlanner`; ``rho`` is then not used).
+            Budgeted strategies only. None = a fixed ``rho``.
+        memory_mb: peak-memory budget, MiB (issue #17; ``elastic`` only): the DP selects under
+            it with the run's memory model (:class:`etgraph.memory.MemoryProfile`), and the log
+            records the predicted peak beside the measured one. None = time budget only.
+        spinning: the ORT session options the run trains with: ``"auto"`` measures the
+            candidates of :data:`etgraph.sessions.TRAIN_CANDIDATES` at the start
+            (:func:`etgraph.sessions.choose_train_config`, on the full artifacts at learning
+            rate 0) and keeps the fastest; or a candidate's label (``"off"``, ``"on"``,
+            ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
+            probe would hold two all-trainable sessions at once).
+    """
+
+    epochs: int = 12
+    batch_size: int = 4
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.01
+    rho: float = 0.5
+    period: int = 3
+    strategy: str = "elastic"
+    seed: int = 0
+    data: str | None = None
+    tokenizer: str | None = None
+    val_fraction: float = 0.2
+    probe_batches: int = 1
+    max_steps_per_epoch: int | None = None
+    max_val_batches: int | None = None
+    resolution: int | None = None
+    threads: int | None = None
+    frozen_bn: str = DEFAULT_FROZEN_BN
+    preprocess: Preprocess = DEFAULT_PREPROCESS
+    closed_loop: bool = True
+    reference_budget: float = 0.01
+    deadline_s: float | None = None
+    memory_mb: float | None = None
+    spinning: str = "auto"
+
+    def validate(self) -> TrainConfig:
+        """Return self if every field is in range; raise ConfigError naming the bad option."""
+        positive = {
+            "epochs": self.epochs,
+            "batch size": self.batch_size,
+            "period": self.period,
+            "probe batches": self.probe_batches,
+        }
+        for name, value in positive.items():
+            if int(value) != value or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning rate must be positive, got {self.learning_rate}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"weight decay must be >= 0, got {self.weight_decay}")
+        if not (0.0 < self.rho <= 1.0):
+            raise ConfigError(
+                f"rho must be in (0, 1] (fraction of the full step time), got {self.rho}"
+            )
+        check_frozen_bn(self.frozen_bn)
+        if not (0.0 < self.reference_budget <= 1.0):
+            raise ConfigError(f"reference budget must be in (0, 1], got {self.reference_budget}")
+        if self.deadline_s is not None:
+            if not self.deadline_s > 0:
+                raise ConfigError(f"deadline must be positive, got {self.deadline_s} s")
+            if self.strategy not in BUDGETED_STRATEGIES:
+                raise ConfigError(
+                    f"--deadline chooses rho, which strategy {self.strategy!r} ignores: use "
+                    f"one of {', '.join(BUDGETED_STRATEGIES)}"
+                )
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}"
+            )
+        if self.memory_mb is not None and not (
+            0 < self.memory_mb < math.inf and self.strategy == "elastic"
+        ):
+            raise ConfigError(
+                f"--memory-mb must be positive and used with the elastic strategy, got "
+                f"{self.memory_mb} with {self.strategy!r}"
+            )
+        if self.spinning != "auto" and self.spinning not in TRAIN_CANDIDATES:
+            raise ConfigError(
+                f"unknown spinning setting {self.spinning!r}: choose auto or one of "
+                f"{', '.join(TRAIN_CANDIDATES)}"
+            )
+        for name in ("max_steps_per_epoch", "max_val_batches", "resolution", "threads"):
+            value = getattr(self, name)
+            if value is not None and (int(value) != value or value < 1):
+                raise ConfigError(
+                    f"{name.replace('_', ' ')} must be a positive integer, got {value}"
+                )
+        return self
+
+    def to_json(self) -> dict:
+        """The settings as a JSON-ready dict (``run.json``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> TrainConfig:
+        """Inverse of :meth:`to_json`, validated.
+
+        Raises:
+            TypeError: an unknown or missing field. ConfigError: as :meth:`validate`.
+        """
+        data = dict(data)
+        if isinstance(data.get("preprocess"), dict):
+            data["preprocess"] = Preprocess.from_json(data["preprocess"])
+        return cls(**data).validate()
+
+    def digest(self) -> str:
+        """Stable 16-hex-digit hash of the configuration (stored in checkpoints).
+
+        Only the fields that differ from their defaults are hashed, so a field added later
+        with a default leaves the digests of earlier runs unchanged: they still resume.
+        """
+        default = type(self)().to_json()
+        changed = {k: v for k, v in self.to_json().items() if v != default[k]}
+        return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:16]

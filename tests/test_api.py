@@ -1,0 +1,178 @@
+"""The public Python API (``import etgraph``): what it exports, and elastic training driven by a
+program — data in memory, no run directory, callbacks, a period / an epoch / a step at a time,
+weights in and out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import etgraph
+from etgraph.data import digits_images, load_digits_arrays
+
+
+def test_every_public_name_resolves_and_the_package_is_typed():
+    for name in etgraph.__all__:
+        assert getattr(etgraph, name) is not None, name
+    assert (Path(etgraph.__file__).parent / "py.typed").is_file()
+    with pytest.raises(AttributeError):
+        etgraph.no_such_name  # noqa: B018
+
+
+def test_import_etgraph_stays_light():
+    """``import etgraph`` loads no ONNX Runtime or torch: the CLI's --help stays fast."""
+    import subprocess
+    import sys
+
+    code = "import sys, etgraph; print('onnxruntime' in sys.modules, 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"]
+
+
+def digits_arrays(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` digits of classes 5-9 (labels 0-4) as float32 ``[n, 3, 32, 32]`` in memory."""
+    images, labels = load_digits_arrays()
+    keep = np.flatnonzero(labels >= 5)[:n]
+    x = digits_images(images[keep], (32, 32))
+    x = (x - x.mean()) / x.std()
+    return np.repeat(x[:, None], 3, axis=1).astype(np.float32), labels[keep] - 5
+
+
+class Recorder(etgraph.Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_fit_start(self, trainer):
+        self.events.append(("fit_start",))
+
+    def on_period_start(self, trainer, info):
+        self.events.append(("period_start", info.period, tuple(info.selected)))
+
+    def on_epoch_end(self, trainer, record):
+        self.events.append(("epoch_end", record["epoch"], record["val_acc"]))
+
+    def on_period_end(self, trainer, info):
+        self.events.append(("period_end", info.period))
+
+    def on_fit_end(self, trainer, result):
+        self.events.append(("fit_end", result.epochs))
+
+
+@pytest.mark.slow
+def test_fit_on_arrays_in_memory_writes_no_file(tmp_path, default_model, default_profile):
+    """A whole run on arrays in memory, without a run directory: callbacks see every period and
+    epoch in order, nothing is written to the working directory, and ``close`` removes the
+    private temporary directory."""
+    prof, _ = default_profile
+    x, y = digits_arrays(160)
+    recorder = Recorder()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        config = etgraph.TrainConfig(
+            epochs=2, period=1, rho=0.6, max_steps_per_epoch=10, closed_loop=False
+        )
+        trainer = etgraph.ElasticTrainer(
+            default_model,
+            prof,
+            config,
+            data=(x[:120], y[:120]),
+            val_data=(x[120:], y[120:]),
+            callbacks=[recorder],
+        )
+        work = trainer.work_dir
+        result = trainer.fit()
+        assert list(tmp_path.iterdir()) == []  # nothing in the working directory
+    finally:
+        os.chdir(cwd)
+    kinds = [e[0] for e in recorder.events]
+    assert kinds == [
+        "fit_start",
+        "period_start",
+        "epoch_end",
+        "period_end",
+        "period_start",
+        "epoch_end",
+        "period_end",
+        "fit_end",
+    ]
+    assert result.epochs == 2 and result.trained_model == ""
+    assert 0 <= result.final_val_acc <= 1 and trainer.dataset.n_val == 40
+    assert work.is_dir()
+    trainer.close()
+    assert not work.exists()
+
+
+@pytest.mark.slow
+def test_period_epoch_and_step_levels_and_weights_in_and_out(
+    tmp_path, default_model, default_profile
+):
+    """Driven by hand: a period's selection, an epoch, single steps; the weights read back equal
+    those set; ``trained_weights`` holds exactly the tensors selected since the last set (and
+    running statistics that moved); the exported model scores what ``evaluate`` scores."""
+    prof, _ = default_profile
+    x, y = digits_arrays(120)
+    config = etgraph.TrainConfig(epochs=3, period=1, rho=0.6, max_steps_per_epoch=6)
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 96, 4)]
+    with etgraph.ElasticTrainer(
+        default_model, prof, config, data=batches, val_data=(x[96:], y[96:])
+    ) as trainer:
+        initial = trainer.get_weights()
+        assert set(initial) == set(default_model.names) | set(default_model.running_stats)
+        info = trainer.begin_period()
+        assert info.period == 0 and info.mask.dtype == bool and info.selected
+        assert info.importance.shape == (len(default_model.names),)
+        record = trainer.train_epoch()  # the period's last epoch: it ends the period
+        assert record["epoch"] == 1 and record["steps"] == 6
+        trained = trainer.trained_weights()
+        selected = set(info.selected)
+        assert selected <= set(trained)
+        assert set(trained) - selected <= set(default_model.running_stats)
+        for name in set(default_model.names) - selected:  # unselected tensors did not move
+            np.testing.assert_array_equal(trainer.get_weights()[name], initial[name])
+        # a server's model arrives: set it; nothing trained since
+        trainer.set_weights(initial, reset_moments=True)
+        for name, value in trainer.get_weights().items():
+            np.testing.assert_array_equal(value, initial[name], err_msg=name)
+        assert set(trainer.trained_weights()) <= set(default_model.running_stats)
+        losses = [trainer.step(*batches[i]) for i in range(3)]
+        assert all(np.isfinite(losses)) and trainer.global_step == 9
+        moved = trainer.trained_weights()
+        assert set(trainer._period.selected) <= set(moved)
+        loss, acc = trainer.evaluate()
+        assert np.isfinite(loss) and 0 <= acc <= 1
+        exported = trainer.export(tmp_path / "model.onnx")
+        from etgraph.sessions import evaluate_onnx
+
+        _, exported_acc = evaluate_onnx(exported, trainer._val_batches(), 4)
+        assert exported_acc == pytest.approx(acc)
+        with pytest.raises(etgraph.ConfigError, match="not a parameter"):
+            trainer.set_weights({"nope": np.zeros(1, np.float32)})
+        name = default_model.names[0]
+        with pytest.raises(etgraph.ConfigError, match=name):
+            trainer.set_weights({name: np.zeros(1, np.float32)})
+        with pytest.raises(etgraph.DataError, match="batches of 4"):
+            trainer.step(x[:3], y[:3])
+
+
+def test_in_memory_data_is_checked_against_the_model(default_model):
+    """Arrays of the wrong shape or labels outside the head get the one-line DataError."""
+    from etgraph.data import as_dataset
+
+    shapes = default_model.input_shapes()
+    kwargs = dict(inputs=default_model.inputs, shapes=shapes, task=default_model.task)
+    x, y = digits_arrays(40)
+    ds = as_dataset((x, y), **kwargs)
+    assert ds.n_train + ds.n_val == 40 and ds.num_classes == 5
+    with pytest.raises(etgraph.DataError, match="shape"):
+        as_dataset((x[:, :, :16], y), **kwargs)
+    with pytest.raises(etgraph.DataError, match="classes"):
+        as_dataset((x, y + 10), **kwargs)
+    with pytest.raises(etgraph.DataError, match="no batch"):
+        as_dataset([], **kwargs)
+    batches = [({"input": x[i : i + 4]}, y[i : i + 4]) for i in range(0, 40, 4)]
+    ds = as_dataset(batches, **kwargs, val_data=(x[:8], y[:8]))
+    assert (ds.n_train, ds.n_val) == (40, 8)
