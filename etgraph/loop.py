@@ -145,6 +145,7 @@ from .rundir import (
     TrainResult,
     append_log,
     checkpoint_properties,
+    locked,
     prepare_run_dir,
     read_run_checkpoint,
     read_run_file,
@@ -1450,6 +1451,7 @@ class _Run:
 # ---- entry points -----------------------------------------------------------------------------
 
 
+@locked(new=True)  # one process per run directory, for the whole run
 def train(
     model: LoadedModel,
     profile: Profile,
@@ -1530,6 +1532,7 @@ def train(
     return run.run(0, carried, [])
 
 
+@locked(new=False)
 def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
     """Continue the run in ``out_dir`` from its last checkpoint (after any interruption).
 

@@ -24,7 +24,6 @@ The onnxruntime-training wheel imports ``onnxruntime.training`` (and with it tor
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +35,7 @@ from onnxruntime.training import api
 
 from .artifacts import bake_frozen
 from .checkpoint import read_checkpoint
-from .files import atomic_target
+from .files import atomic_target, private_temp_dir
 
 __all__ = [
     "ROLES",
@@ -329,7 +328,7 @@ class TrainingSession:
         self.input_names = list(input_names)
         self._baked = None
         if bake:
-            self._baked = tempfile.TemporaryDirectory(prefix="etgraph-baked-")
+            self._baked = private_temp_dir("baked")
             weights = read_checkpoint(checkpoint, moments=False)[0].weights  # frozen: no moments
             d = bake_frozen(d, weights, self._baked.name)
             del weights

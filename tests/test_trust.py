@@ -10,7 +10,12 @@ locks held by another process, and resource limits need a real ``python -m etgra
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import stat
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +122,197 @@ def test_a_node_name_that_is_not_utf8_is_refused(cli, tmp_path):
     assert_user_error(done, "is not valid UTF-8", "node #0")
     with pytest.raises(ModelError):
         LoadedModel.load(path)
+
+
+# ---- security: nothing written where it should not be ---------------------------------------
+
+
+def test_compile_into_the_models_own_folder_does_not_replace_the_model(cli, tmp_path):
+    model = tmp_path / "model.onnx"
+    onnx.save(small_model(), str(model))
+    before = model.read_bytes()
+    done = cli("compile", model, "-o", tmp_path)
+    assert_user_error(done, f"would replace the input {model}", "-o")
+    assert model.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_profile_output_on_a_special_file_is_refused(cli, default_model_path, tmp_path, kind):
+    target = tmp_path / "profile.json"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        try:
+            os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        except PermissionError:
+            pytest.skip("creating a device node needs root")
+    done = cli("profile", default_model_path, "-o", target)
+    assert_user_error(done, str(target), "special file")
+    assert not stat.S_ISREG(os.lstat(target).st_mode)
+
+
+def test_profile_output_on_its_own_model_is_refused(cli, tmp_path):
+    model = tmp_path / "m.onnx"
+    onnx.save(small_model(), str(model))
+    link = tmp_path / "link.onnx"
+    link.symlink_to(model)
+    assert_user_error(cli("profile", model, "-o", link), "would replace the input")
+
+
+# ---- nothing lost: compile builds beside the last good one; one process per directory ------
+
+QUICK_TRAIN = ["--epochs", "1", "--max-steps-per-epoch", "2", "--max-val-batches", "1", "--quiet"]
+#: A run that lasts long enough to be interrupted (each epoch a few seconds).
+LONG_TRAIN = ["--epochs", "40", "--max-steps-per-epoch", "100", "--max-val-batches", "1"]
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every regular file under ``directory`` (hidden ones included, but the lock file, which
+    records the last process's pid) and its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != ".etgraph-lock"
+    }
+
+
+def wait_for(condition, timeout_s: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``condition()`` until true (fails after ``timeout_s``, or if ``proc`` ended)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def popen_cli(*args, env: dict[str, str]) -> subprocess.Popen:
+    """``python -m etgraph ARGS`` started in the background (text stderr piped)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "etgraph", *map(str, args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.fixture(scope="module")
+def compiled(cli, tmp_path_factory) -> Path:
+    """A compile of the embedded default model (quick profile)."""
+    out = tmp_path_factory.mktemp("compiled") / "c"
+    done = cli("compile", "-o", out, "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_failed_recompile_leaves_the_last_good_compile(cli, compiled, tmp_path):
+    before = files_of(compiled)
+    done = cli("compile", "-o", compiled, "--repeats", "1", "--data", tmp_path / "typo")
+    assert_user_error(done, "typo")
+    assert files_of(compiled) == before
+    assert cli("train", compiled, "--out", tmp_path / "run", *QUICK_TRAIN).returncode == 0
+
+
+def test_a_killed_recompile_leaves_the_last_good_compile(compiled, cache_env, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(compiled, out)
+    before = files_of(out)
+    fresh = {"ETGRAPH_CACHE": str(tmp_path / "cache")}  # the profile is measured again
+    proc = popen_cli("compile", "-o", out, "--repeats", "30", env=fresh)
+    try:  # killed once the new model is written beside the old one (profiling then starts)
+        wait_for(lambda: list(out.glob(".etgraph-stage-*/model.onnx")), proc=proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    after = files_of(out)
+    assert {k: v for k, v in after.items() if not k.startswith(".etgraph-stage-")} == before
+    done = run_cli_in_process("compile", "-o", out, "--repeats", "1", env=cache_env)
+    assert done.returncode == 0, done.stderr
+    assert not list(out.glob(".etgraph-stage-*")), "the killed compile's stage was not swept"
+
+
+def test_a_second_run_in_the_same_directory_is_refused(cli, default_profile, cache_env, tmp_path):
+    out = tmp_path / "run"
+    first = popen_cli(
+        "train", "--out", out, "--profile", default_profile[1], *LONG_TRAIN, env=cache_env
+    )
+    try:
+        wait_for(lambda: (out / "log.jsonl").exists(), proc=first)
+        done = cli("train", "--out", out, "--profile", default_profile[1], *QUICK_TRAIN)
+        assert_user_error(done, f"pid {first.pid}", "in use by another etgraph process")
+        done = cli("train", "--resume", out, "--quiet")
+        assert_user_error(done, f"pid {first.pid}")
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_a_second_compile_into_the_same_directory_is_refused(cli, compiled):
+    from etgraph.files import exclusive_lock
+
+    with exclusive_lock(compiled, "-o"):
+        done = cli("compile", "-o", compiled, "--repeats", "1")
+    assert_user_error(done, f"pid {os.getpid()}", "-o")
+
+
+# ---- temporary directories: private, removed on SIGTERM, swept after SIGKILL ----------------
+
+
+def etgraph_dirs(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.startswith("etgraph-"))
+
+
+def test_sigterm_removes_the_temporary_directories(default_profile, cache_env, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "run"
+    env = {**cache_env, "TMPDIR": str(tmp)}
+    proc = popen_cli("train", "--out", out, "--profile", default_profile[1], *LONG_TRAIN, env=env)
+    try:  # terminated while training: the session's baked graphs hold the model's weights
+        wait_for(lambda: (out / "log.jsonl").exists() and etgraph_dirs(tmp), proc=proc)
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in etgraph_dirs(tmp))
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"etgraph: terminated: continue from the last checkpoint with `etgraph train --resume "
+        f"{out}`"
+    )
+    assert etgraph_dirs(tmp) == []
+
+
+def test_temporary_directories_of_killed_processes_are_swept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"etgraph-baked-{dead.pid}-abc"
+    live = tmp_path / f"etgraph-baked-{os.getpid()}-abc"
+    other = tmp_path / f"something-{dead.pid}-abc"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "weights.onnx").write_bytes(b"x")
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "inspect", "--passes"],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+    )
+    assert done.returncode == 0
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_ctrl_c_while_profiling_does_not_suggest_resuming_a_run_that_was_not_started(tmp_path):
+    out = tmp_path / "run"
+    env = {"ETGRAPH_CACHE": str(tmp_path / "cache")}  # nothing cached: the model is profiled
+    proc = popen_cli("train", "--out", out, "--profile-level", "thorough", env=env)
+    try:
+        assert "profiling" in proc.stderr.readline()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "etgraph: interrupted"
+    assert not out.exists()
