@@ -250,28 +250,37 @@ def staged_directory(path: str | os.PathLike, names: Iterable[str], marker: str)
 
 @contextlib.contextmanager
 def exclusive_lock(directory: str | os.PathLike, option: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``directory`` (``fcntl.flock`` on its :data:`LOCK_FILE`, which
-    records the holder's pid) for the block: a second etgraph process is refused, and the lock
-    goes with the process however it ends.
+    """Hold an exclusive lock on ``directory`` for the block: ``fcntl.flock`` on its
+    :data:`LOCK_FILE`, which records the holder's pid and is removed when the block ends. A
+    second etgraph process is refused; the lock goes with the process however it ends (a file
+    left by a kill is locked again by the next process).
 
     Raises:
         ConfigError: another process holds it (the message names its pid and ``option``).
     """
     lock = Path(directory) / LOCK_FILE
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise ConfigError(
                 f"{directory} is in use by another etgraph process (pid {holder}): wait for "
                 f"it to end, or choose another {option}"
             ) from None
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                break  # the file still there, not one its last holder removed meanwhile
+        os.close(fd)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # while still locked: a waiting process then sees it gone
         os.close(fd)
 
 
