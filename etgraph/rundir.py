@@ -37,7 +37,13 @@ import numpy as np
 from onnx import helper
 
 from . import files
-from .checkpoint import CarriedState, read_checkpoint
+from .checkpoint import (
+    DIGEST_SUFFIX,
+    PREVIOUS_SUFFIX,
+    CarriedState,
+    read_checkpoint,
+    verify_checkpoint,
+)
 from .errors import CheckpointError, ConfigError
 from .labels import CLASSES_FILE
 from .model import LoadedModel
@@ -94,6 +100,8 @@ RUN_PROPERTY = "etgraph_run"
 #: Files written atomically in the run directory: their temporaries are removed on resume.
 _ATOMIC_FILES = (
     CHECKPOINT_FILE,
+    CHECKPOINT_FILE + DIGEST_SUFFIX,
+    CHECKPOINT_FILE + PREVIOUS_SUFFIX,
     LOG_FILE,
     SUMMARY_FILE,
     RUN_FILE,
@@ -407,17 +415,22 @@ def checkpoint_properties(
 def read_run_checkpoint(
     out: Path, model: LoadedModel, config_hash: str
 ) -> tuple[CarriedState, int]:
-    """Read the run's ``checkpoint`` and check that it can resume training ``model``.
+    """Read the run's ``checkpoint`` and check that it can resume training ``model``: first its
+    sha256 against the one recorded when it was written
+    (:func:`etgraph.checkpoint.verify_checkpoint`; a damaged checkpoint is replaced by the
+    previous one if that is intact, and the run continues from there).
 
     Returns:
         ``(state, epoch)``: the carried state and the number of epochs done.
 
     Raises:
-        CheckpointError: corrupt; without etgraph's run state; of another configuration; lacks
-            a tensor of ``model``; or holds a tensor whose shape or dtype differs from the
-            model's (ORT would fail deep inside otherwise). Each message names the file.
+        CheckpointError: damaged (no intact previous one) or corrupt; without etgraph's run
+            state; of another configuration; lacks a tensor of ``model``; or holds a tensor
+            whose shape or dtype differs from the model's (ORT would fail deep inside
+            otherwise). Each message names the file.
     """
     path = out / CHECKPOINT_FILE
+    verify_checkpoint(path)
     carried, _, properties = read_checkpoint(path)
     try:
         run_state = json.loads(properties[RUN_PROPERTY])

@@ -34,8 +34,8 @@ import onnxruntime as ort
 from onnxruntime.training import api
 
 from .artifacts import bake_frozen
-from .checkpoint import read_checkpoint
-from .files import atomic_target, private_temp_dir
+from .checkpoint import checkpoint_target, read_checkpoint
+from .files import private_temp_dir
 
 __all__ = [
     "ROLES",
@@ -380,10 +380,12 @@ class TrainingSession:
         return total_loss / max(count, 1), total_metric / max(count, 1)
 
     def save(self, path: str | os.PathLike, properties: Mapping[str, str]) -> None:
-        """Save weights + optimizer state + string properties to ``path`` atomically."""
+        """Save weights + optimizer state + string properties to ``path`` atomically, its
+        digest recorded and the previous version kept (:func:`etgraph.checkpoint.
+        checkpoint_target`)."""
         for key, value in properties.items():
             self.state.properties[key] = value
-        with atomic_target(path) as tmp:
+        with checkpoint_target(path) as tmp:
             api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
 
     def release_sessions(self) -> None:

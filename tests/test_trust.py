@@ -9,6 +9,7 @@ locks held by another process, and resource limits need a real ``python -m etgra
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_user_error, make_model, random_initializer, run_cli_in_process
+from helpers import (
+    assert_user_error,
+    make_model,
+    random_initializer,
+    run_cli,
+    run_cli_in_process,
+)
 from onnx import external_data_helper, helper
 
 from etgraph.errors import ModelError
@@ -316,3 +323,51 @@ def test_ctrl_c_while_profiling_does_not_suggest_resuming_a_run_that_was_not_sta
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "etgraph: interrupted"
     assert not out.exists()
+
+
+# ---- checkpoint integrity --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_period_run(cli, default_profile, tmp_path_factory) -> Path:
+    """A finished run of 2 epochs, a checkpoint after each (period 1)."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    args = ["--epochs", "2", "--period", "1", "--max-steps-per-epoch", "3", "--max-val-batches"]
+    done = cli("train", "--out", out, "--profile", default_profile[1], *args, "1", "--quiet")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def zero_middle(path: Path, count: int = 4000) -> None:
+    """Zero ``count`` bytes in the middle of ``path`` (inside a weight tensor's data: the file
+    still parses)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(count)
+    path.write_bytes(data)
+
+
+def test_a_damaged_checkpoint_is_refused_at_resume(cli, two_period_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_period_run, out)
+    zero_middle(out / "checkpoint")
+    (out / "checkpoint.prev").unlink(missing_ok=True)
+    done = cli("train", "--resume", out, "--quiet")
+    assert_user_error(done, f"checkpoint {out / 'checkpoint'} is damaged", "sha256")
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(
+    cli, two_period_run, cache_env, tmp_path
+):
+    out = tmp_path / "run"
+    shutil.copytree(two_period_run, out)
+    zero_middle(out / "checkpoint")
+    done = run_cli("train", "--resume", out, env=cache_env)  # the warning as a user sees it
+    assert done.returncode == 0, done.stderr
+    assert f"checkpoint {out / 'checkpoint'} is damaged" in done.stderr
+    assert "continuing from the previous checkpoint" in done.stderr
+    assert f"resuming {out} after epoch 1 of 2" in done.stdout + done.stderr
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2]
+    done = cli("train", "--resume", out, "--quiet")  # the repaired run is intact
+    assert done.returncode == 0 and "damaged" not in done.stderr, done.stderr
