@@ -119,6 +119,7 @@ from .errors import (
     ProfileMismatchError,
     TrainingDivergedError,
 )
+from .files import temporary_prefix
 from .host import (
     freeze_gc,
     limit_heap_retention,
@@ -1381,12 +1382,14 @@ class _Run:
         if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
             set_class_names(labelled, self.dataset.class_names)
         metadata = {p.key: p.value for p in labelled.metadata_props}
-        export_inference_model(paths.eval_model, ckpt, trained, [self.model.output_name], metadata)
+        partial = self.out / f"{temporary_prefix(TRAINED_MODEL_FILE)}partial"  # hidden until done
+        export_inference_model(paths.eval_model, ckpt, partial, [self.model.output_name], metadata)
         # the artifacts' batch size was fixed (self.cache); the original output meaning
-        restore_exported(trained, self.model.head)
+        restore_exported(partial, self.model.head)
         _memory_log("export")
-        if self._export_original_outputs(trained) and self.dataset.class_names:
-            stamp_onnx(trained, self.dataset.class_names)  # the original's file had none
+        if self._export_original_outputs(partial) and self.dataset.class_names:
+            stamp_onnx(partial, self.dataset.class_names)  # the original's file had none
+        os.replace(partial, trained)  # a user never picks up a half-made model
         _, inference_acc = evaluate_onnx(
             trained,
             self.val_batches(),

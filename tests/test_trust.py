@@ -371,3 +371,25 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(
     assert [r["epoch"] for r in log] == [1, 2]
     done = cli("train", "--resume", out, "--quiet")  # the repaired run is intact
     assert done.returncode == 0 and "damaged" not in done.stderr, done.stderr
+
+
+def test_the_trained_model_appears_only_complete(cli, default_profile, monkeypatch, tmp_path):
+    """model_trained.onnx is exported, its batch freed and its head restored before it
+    appears: a kill in between left a model fixed at the training batch (it failed at batch
+    1). Every time a model is read while the run exports, the file there is the final one."""
+    import onnx_ir
+
+    out, seen = tmp_path / "run", []
+    load = onnx_ir.load
+
+    def spy(*args, **kwargs):
+        if (out / "model_trained.onnx").exists():
+            seen.append((out / "model_trained.onnx").read_bytes())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(onnx_ir, "load", spy)
+    done = cli("train", "--out", out, "--profile", default_profile[1], *QUICK_TRAIN)
+    assert done.returncode == 0, done.stderr
+    final = (out / "model_trained.onnx").read_bytes()
+    assert all(snapshot == final for snapshot in seen)
+    assert not list(out.glob(".model_trained.onnx.*"))
