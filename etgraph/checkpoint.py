@@ -12,13 +12,20 @@ ort_flatbuffers_py``; file identifier ``ODTC``, version 2, one optimizer group `
   (``CheckpointState.save_checkpoint``'s or :func:`write_checkpoint`'s).
 * :func:`write_checkpoint` — a checkpoint that starts a session for a new selection: newly
   trainable tensors get zero moments (ORT requires an entry for every trainable parameter).
+* :func:`checkpoint_target` / :func:`verify_checkpoint` — a checkpoint written with its sha256
+  recorded beside it (``<name>.sha256``) and the previous version kept (``<name>.prev``);
+  checked before a run resumes from it, falling back to the previous one if it is damaged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +35,25 @@ from onnx import helper
 from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
 
 from .errors import CheckpointError, ConfigError
-from .files import write_atomic
+from .files import atomic_target, write_atomic, write_json_atomic
 
-__all__ = ["MOMENT_NAMES", "CarriedState", "read_checkpoint", "write_checkpoint"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DIGEST_SUFFIX",
+    "MOMENT_NAMES",
+    "PREVIOUS_SUFFIX",
+    "CarriedState",
+    "checkpoint_target",
+    "read_checkpoint",
+    "verify_checkpoint",
+    "write_checkpoint",
+]
+
+#: ``<checkpoint><DIGEST_SUFFIX>``: JSON ``{"sha256": [the checkpoint's, the previous one's]}``.
+DIGEST_SUFFIX = ".sha256"
+#: ``<checkpoint><PREVIOUS_SUFFIX>``: the version before the last save (a hard link).
+PREVIOUS_SUFFIX = ".prev"
 
 #: Names of the AdamW moments ORT stores per trainable parameter (first, second moment).
 MOMENT_NAMES = ("momentum0", "momentum1")
@@ -277,3 +300,87 @@ def write_checkpoint(
         fbs.Checkpoint.AddPropertyBag(b, bag_off)
     b.Finish(fbs.Checkpoint.End(b), file_identifier=b"ODTC")
     write_atomic(path, memoryview(b.Bytes)[b.Head() :])  # no copy of the finished buffer
+
+
+# ---- integrity --------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _recorded(path: Path) -> list[str]:
+    """The digests recorded for ``path`` (empty: none, or the record is unreadable)."""
+    try:
+        digests = json.loads(_sibling(path, DIGEST_SUFFIX).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [d for d in digests if isinstance(d, str)]
+
+
+def _link_atomic(source: Path, destination: Path) -> None:
+    """Make ``destination`` a hard link to ``source``, replacing it atomically."""
+    with atomic_target(destination) as link:
+        link.unlink()
+        os.link(source, link)
+
+
+@contextlib.contextmanager
+def checkpoint_target(path: str | os.PathLike) -> Iterator[Path]:
+    """:func:`etgraph.files.atomic_target` for a checkpoint: yield a temporary path to write it
+    to; when the block completes, the current version (if any) is kept as
+    ``<path>.prev`` (a hard link: no copy), the new one's sha256 is recorded in
+    ``<path>.sha256`` together with the current one's, and the new file replaces ``path``.
+
+    A kill at any point leaves a checkpoint and a ``.prev`` whose digests are recorded: the old
+    pair until the record is written, which lists both the old and the new digest."""
+    path = Path(path)
+    with atomic_target(path) as tmp:
+        yield tmp
+        digest = _sha256(tmp)
+        current = _recorded(path)[:1]
+        if path.exists():
+            try:
+                _link_atomic(path, _sibling(path, PREVIOUS_SUFFIX))
+            except OSError:  # no hard links on this file system: no previous version
+                _sibling(path, PREVIOUS_SUFFIX).unlink(missing_ok=True)
+                current = []
+        write_json_atomic(_sibling(path, DIGEST_SUFFIX), {"sha256": [digest, *current]})
+
+
+def verify_checkpoint(path: str | os.PathLike) -> bool:
+    """Check the checkpoint ``path`` against the sha256 recorded when etgraph wrote it
+    (:func:`checkpoint_target`). A damaged checkpoint is replaced by the previous version
+    (``<path>.prev``) if that one is intact; a checkpoint without a record (written by an
+    earlier etgraph) passes.
+
+    Returns:
+        False if it fell back to the previous version (logged as a warning), else True.
+
+    Raises:
+        CheckpointError: the checkpoint is damaged and no intact previous version is kept.
+    """
+    path = Path(path)
+    recorded = _recorded(path)
+    if not recorded or not path.exists() or _sha256(path) in recorded:
+        return True
+    prev = _sibling(path, PREVIOUS_SUFFIX)
+    if prev.is_file() and _sha256(prev) in recorded:
+        log.warning(
+            "checkpoint %s is damaged (its sha256 differs from the one recorded when it was "
+            "written): continuing from the previous checkpoint (%s)",
+            path,
+            prev.name,
+        )
+        _link_atomic(prev, path)
+        return False
+    raise CheckpointError(
+        f"checkpoint {path} is damaged: its sha256 differs from the one recorded when etgraph "
+        "wrote it, and no intact previous checkpoint is kept; delete the run directory to "
+        "start over"
+    )

@@ -27,9 +27,11 @@ from .errors import (
     EtgraphError,
     ModelError,
     ProfileMismatchError,
+    Terminated,
     first_line,
 )
-from .host import process_age_s
+from .files import sweep_stale_temp_dirs
+from .host import exit_on_sigterm, process_age_s
 from .selection import STRATEGIES
 
 #: When the command (this process) started, on the ``time.perf_counter`` clock: ``train
@@ -55,11 +57,16 @@ def main(argv: list[str] | None = None) -> None:
     and any other exception (a bug) into one line naming its innermost cause and exit 3."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
+    exit_on_sigterm()  # temporary directories and partial files are removed on SIGTERM too
+    sweep_stale_temp_dirs()  # and those of killed etgraph processes at the next start
     try:
         cli.main(args=args, prog_name="etgraph", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo(f"etgraph: interrupted{_resume_hint(args)}", err=True)
         sys.exit(130)
+    except Terminated:
+        click.echo(f"etgraph: terminated{_resume_hint(args)}", err=True)
+        sys.exit(143)
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare command: its help, as asked
         click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
         sys.exit(exc.exit_code)
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _resume_hint(args: list[str]) -> str:
     """For an interrupted ``etgraph train``: how to continue it (its ``--out`` or ``--resume``
-    directory, from the command line), else ""."""
+    directory, from the command line, if a run was started there), else ""."""
     if "train" not in args:
         return ""
     for flag in ("--out", "--resume"):
@@ -103,7 +110,7 @@ def _resume_hint(args: list[str]) -> str:
             value = args[i + 1] if arg == flag and i + 1 < len(args) else None
             if arg.startswith(f"{flag}="):
                 value = arg.split("=", 1)[1]
-            if value:
+            if value and (Path(value) / "run.json").is_file():  # etgraph.rundir.RUN_FILE
                 return f": continue from the last checkpoint with `etgraph train --resume {value}`"
     return ""
 
@@ -357,7 +364,7 @@ def profile_command(
     from .profiler import profile_model
 
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
-    ensure_writable_file(out, "-o")  # before measuring
+    ensure_writable_file(out, "-o", inputs=[model])  # before measuring
     cache = None if no_cache else (cache_dir or default_cache_dir())
     prof = profile_model(
         LoadedModel.load(model, output=model_output, loss=loss or "ce"),

@@ -24,6 +24,7 @@ import numpy as np
 from passes.layout import op_nodes, tensor_nodes
 
 from .errors import ConfigError, ModelError
+from .files import atomic_target
 
 __all__ = ["GRAPH_FORMATS", "read_graph", "render_dot", "write_graph"]
 
@@ -148,16 +149,16 @@ def write_graph(graph: nx.DiGraph, path: str | os.PathLike, fmt: str = "json") -
         ConfigError: unknown ``fmt``.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "json":
-        data = nx.node_link_data(graph, edges="links")
-        path.write_text(json.dumps(data, default=_json_default, indent=1) + "\n")
-    elif fmt == "graphml":
-        nx.write_graphml(_graphml_ready(graph), str(path))
-    elif fmt == "dot":
-        _write_dot(graph, path)
-    else:
+    if fmt not in GRAPH_FORMATS:
         raise ConfigError(f"unknown graph format {fmt!r}: use one of {', '.join(GRAPH_FORMATS)}")
+    with atomic_target(path) as tmp:
+        if fmt == "json":
+            data = nx.node_link_data(graph, edges="links")
+            tmp.write_text(json.dumps(data, default=_json_default, indent=1) + "\n")
+        elif fmt == "graphml":
+            nx.write_graphml(_graphml_ready(graph), str(tmp))
+        else:
+            _write_dot(graph, tmp)
     return path
 
 

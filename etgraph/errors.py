@@ -80,3 +80,9 @@ class TrainingDivergedError(EtgraphError):
         super().__init__(message)
         self.epoch = epoch
         self.step = step
+
+
+class Terminated(BaseException):  # noqa: N818 (a signal, like KeyboardInterrupt)
+    """SIGTERM arrived (:func:`etgraph.host.exit_on_sigterm`): raised in the main thread so that
+    every ``with`` block and ``finally`` clause runs (temporary directories, atomic writes)
+    before the process exits. A BaseException: ``except Exception`` does not stop it."""

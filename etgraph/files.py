@@ -7,16 +7,26 @@
 * :func:`remove_temporaries` — delete what a killed writer left behind.
 * :func:`ensure_writable_dir` — the one check that an output directory can be written;
   :func:`ensure_writable_file` the same for an output file.
+* :func:`check_outputs` — refuse, before any work, an output that is a special file or one of
+  the command's own inputs.
+* :func:`staged_directory` — build a directory's files beside it and put them in place only on
+  success (``etgraph compile``: a failed or killed re-compile leaves the last good one).
+* :func:`exclusive_lock` — one etgraph process at a time in a run or compiled directory.
+* :func:`private_temp_dir` / :func:`sweep_stale_temp_dirs` — private temporary directories
+  named after their process, and the removal of those a killed process left.
 * :func:`append_jsonl` / :func:`read_jsonl` — the one JSON-lines log writer and reader.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -26,17 +36,30 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "LOCK_FILE",
     "append_jsonl",
     "atomic_directory",
     "atomic_target",
+    "check_outputs",
     "ensure_writable_dir",
     "ensure_writable_file",
+    "exclusive_lock",
+    "private_temp_dir",
     "read_jsonl",
     "remove_temporaries",
+    "staged_directory",
+    "sweep_stale_temp_dirs",
     "temporary_prefix",
     "write_atomic",
     "write_json_atomic",
 ]
+
+#: The lock file of a run or compiled directory (:func:`exclusive_lock`); it holds the pid.
+LOCK_FILE = ".etgraph-lock"
+#: Name prefix of etgraph's temporary directories: ``etgraph-<kind>-<pid>-<random>``
+#: (:func:`private_temp_dir`; hidden inside a directory being built: :func:`staged_directory`).
+_TEMP_PREFIX = "etgraph-"
+_TEMP_NAME = re.compile(r"\.?etgraph-[a-z]+-(\d+)-[^/]+")
 
 
 def temporary_prefix(name: str) -> str:
@@ -149,23 +172,164 @@ def ensure_writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:
     return path
 
 
-def ensure_writable_file(path: str | os.PathLike, option: str = "-o") -> Path:
+def ensure_writable_file(
+    path: str | os.PathLike, option: str = "-o", inputs: Iterable = ()
+) -> Path:
     """Check, before the work that produces it, that a file can be written at ``path``: not a
-    directory, in a writable directory (created if needed).
+    directory, a special file or one of ``inputs`` (:func:`check_outputs`), in a writable
+    directory (created if needed).
 
     Raises:
-        ConfigError: ``path`` is a directory, or its directory cannot be created or written.
+        ConfigError: ``path`` is a directory, a special file or an input, or its directory
+            cannot be created or written.
     """
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: give {option} the path of a file")
+    check_outputs([path], option, inputs)
     ensure_writable_dir(path.parent, option)
     return path
 
 
+def check_outputs(paths: Iterable, option: str, inputs: Iterable = ()) -> None:
+    """Refuse, before any work, to write any of ``paths`` where that would replace what it must
+    not: a special file (device node, FIFO, socket; links followed) or one of the command's
+    ``inputs`` (the same file, through a link or not; None entries skipped).
+
+    Raises:
+        ConfigError: naming the path and ``option``, the command-line option that chose it.
+    """
+    given = [Path(p) for p in inputs if p is not None]
+    for path in map(Path, paths):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # nothing there (or unreadable: writing it fails with its own error)
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ConfigError(
+                f"{path} is a special file (a device, FIFO or socket), not a file etgraph may "
+                f"replace: choose another {option}"
+            )
+        for source in given:
+            with contextlib.suppress(OSError):
+                if os.path.samefile(path, source):
+                    raise ConfigError(
+                        f"writing {path} would replace the input {source} (the same file): "
+                        f"choose another {option}"
+                    )
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | os.PathLike, names: Iterable[str], marker: str) -> Iterator[Path]:
+    """Yield a private directory inside ``path`` to write the entries ``names`` of ``path``
+    into; when the block completes, they replace those of ``path`` (an entry ``names`` lists
+    but the block did not write is removed from ``path``), ``marker`` last. On an exception
+    (or a kill: :func:`sweep_stale_temp_dirs`) ``path`` keeps its last complete entries.
+
+    ``marker`` is the entry whose presence says the directory is complete: it is removed first
+    and put in place last, so the short moment of the swap itself leaves the directory
+    incomplete, never a mix of two builds that looks complete. Entries ``path`` holds besides
+    ``names`` are kept."""
+    path = Path(path)
+    stage = Path(tempfile.mkdtemp(prefix=f".{_TEMP_PREFIX}stage-{os.getpid()}-", dir=path))
+    try:
+        yield stage
+        names = [n for n in names if n != marker] + [marker]
+        (path / marker).unlink(missing_ok=True)
+        for name in names:
+            new, old = stage / name, path / name
+            if old.is_dir() and not old.is_symlink():
+                old.rename(stage / f".old-{name}")  # a directory is not replaced by rename
+            if new.exists():
+                new.rename(old)
+            else:
+                old.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(directory: str | os.PathLike, option: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` for the block: ``fcntl.flock`` on its
+    :data:`LOCK_FILE`, which records the holder's pid and is removed when the block ends. A
+    second etgraph process is refused; the lock goes with the process however it ends (a file
+    left by a kill is locked again by the next process).
+
+    Raises:
+        ConfigError: another process holds it (the message names its pid and ``option``).
+    """
+    lock = Path(directory) / LOCK_FILE
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"{directory} is in use by another etgraph process (pid {holder}): wait for "
+                f"it to end, or choose another {option}"
+            ) from None
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                break  # the file still there, not one its last holder removed meanwhile
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # while still locked: a waiting process then sees it gone
+        os.close(fd)
+
+
+def private_temp_dir(
+    kind: str, dir: str | os.PathLike | None = None
+) -> tempfile.TemporaryDirectory:
+    """A new private (0700) temporary directory ``etgraph-<kind>-<pid>-<random>`` under
+    ``$TMPDIR`` (or ``dir``), removed by ``cleanup()``, when its context ends, at interpreter
+    exit (the CLI turns SIGTERM into an exit) or, after a SIGKILL, by
+    :func:`sweep_stale_temp_dirs` at the next start."""
+    return tempfile.TemporaryDirectory(prefix=f"{_TEMP_PREFIX}{kind}-{os.getpid()}-", dir=dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def sweep_stale_temp_dirs(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the temporary directories (:func:`private_temp_dir`, :func:`staged_directory`)
+    of etgraph processes that no longer run, under ``root`` (default ``$TMPDIR``): this user's
+    only, recognised by name. Returns those removed."""
+    root = Path(root if root is not None else tempfile.gettempdir())
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = _TEMP_NAME.fullmatch(entry.name)
+            if match is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                    continue
+                if not _alive(int(match.group(1))):
+                    log.info("removing %s, left by a process that was killed", entry.path)
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(Path(entry.path))
+    return removed
+
+
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
-    """Append ``record`` as one JSON line to ``path`` and fsync it (a log survives a kill)."""
-    with open(path, "a") as f:
+    """Append ``record`` as one JSON line to ``path`` and fsync it (a log survives a kill); a
+    symbolic link there is not followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with open(fd, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())

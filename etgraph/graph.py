@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from . import model as model_spec
 from .artifacts import ArtifactCache, generate
 from .dumps import read_graph
 from .errors import ConfigError, ModelError
+from .files import private_temp_dir
 from .onnx_io import model_hash
 from .ops import op_rule
 
@@ -113,7 +113,7 @@ def _training_model(
         paths, hit = cache.get(model, requires_grad, frozen, loss=loss)
         log.debug("all-trainable artifacts in %s (cache hit: %s)", paths.directory, hit)
         return onnx.load(str(paths.training_model))
-    with tempfile.TemporaryDirectory(prefix="etgraph-graph-") as tmp:
+    with private_temp_dir("graph") as tmp:
         paths = generate(model, requires_grad, frozen, Path(tmp) / "all_trainable", loss=loss)
         return onnx.load(str(paths.training_model))
 

@@ -4,6 +4,7 @@
 * :func:`reset_peak_rss`, :func:`peak_rss_mb` — peak resident memory per period (Linux).
 * :func:`release_native_memory` — hand freed native heap back to the OS after a re-selection.
 * :func:`freeze_gc` — keep the cyclic garbage collector off the libraries' objects.
+* :func:`exit_on_sigterm` — a SIGTERM unwinds the process like Ctrl-C (cleanup runs).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import gc
 import os
 import platform
 import resource
+import signal
 from pathlib import Path
 
+from .errors import Terminated
+
 __all__ = [
+    "exit_on_sigterm",
     "freeze_gc",
     "process_age_s",
     "host_description",
@@ -143,3 +148,14 @@ def process_age_s() -> float:
         uptime_s = float(Path("/proc/uptime").read_text().split()[0])
         return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
     return 0.0
+
+
+def exit_on_sigterm() -> None:
+    """Raise :class:`etgraph.errors.Terminated` in the main thread when SIGTERM arrives (the
+    default action ends the process at once: no ``finally``, no ``atexit``, so temporary
+    directories holding the model's weights stayed). ORT's native calls finish first."""
+
+    def terminate(signum, frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, terminate)

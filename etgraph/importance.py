@@ -60,7 +60,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +72,7 @@ from .artifacts import ArtifactCache, ArtifactPaths
 from .checkpoint import read_checkpoint, write_checkpoint
 from .data import Preprocess, load_task_data
 from .errors import ConfigError
+from .files import private_temp_dir
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
 from .sessions import GradientSession, OrtConfig
@@ -553,7 +553,7 @@ def probe_importance(
         preprocess=preprocess,
     )
     batches = [dataset.probe_batch(batch_size, seed + i) for i in range(probe_batches)]
-    with tempfile.TemporaryDirectory(prefix="etgraph-importance-") as tmp:
+    with private_temp_dir("importance") as tmp:
         root = Path(cache_dir) if cache_dir is not None else Path(tmp)
         evaluator = ImportanceEvaluator(
             model.proto,

@@ -19,12 +19,13 @@ from .data import ArrayDataset, Dataset
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .profile import Profile
-from .rundir import TrainResult
+from .rundir import TrainResult, locked
 from .trainer import ElasticTrainer
 
 __all__ = ["resume", "train"]
 
 
+@locked(new=True)  # one process per run directory, for the whole run
 def train(
     model: LoadedModel,
     profile: Profile,
@@ -77,6 +78,7 @@ def train(
     return trainer.fit()
 
 
+@locked(new=False)
 def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
     """Continue the run in ``out_dir`` from its last checkpoint (:meth:`ElasticTrainer.resume`)
     to its end.

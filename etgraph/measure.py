@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ from onnx import TensorProto, helper
 
 from . import artifacts
 from .errors import ConfigError, ModelError
+from .files import private_temp_dir
 from .host import physical_cores
 from .model import InputSpec, LoadedModel, Task
 from .sessions import TrainingSession, inference_session, session_options
@@ -653,7 +653,7 @@ def measure_selection_steps_us(
     loss = model.task.loss
     mask_us = np.zeros(len(masks))
     full_us = np.zeros(len(masks))
-    with tempfile.TemporaryDirectory(prefix="etgraph-steps-", dir=work_dir) as work:
+    with private_temp_dir("steps", dir=work_dir) as work:
         full_dir = artifacts.generate(
             model_b, *model.split(np.ones(n, dtype=bool)), Path(work) / "full", loss=loss
         ).directory

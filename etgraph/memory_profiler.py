@@ -45,7 +45,6 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,7 +56,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from .artifacts import ArtifactCache, check_frozen_bn
 from .errors import ConfigError, ModelError
-from .files import ensure_writable_dir
+from .files import ensure_writable_dir, private_temp_dir
 from .host import host_description, physical_cores
 from .memory import (
     MemoryProfile,
@@ -375,7 +374,7 @@ def profile_memory(
     raw: list[dict] = []
     todo = anchor_indices(proxy, anchors)
     suffix_grad = _suffix_grad_mb(np.array([t.params for t in model.tensors], dtype=np.float64))
-    with tempfile.TemporaryDirectory(prefix="etgraph-memory-") as work:
+    with private_temp_dir("memory") as work:
         cache = artifact_cache if artifact_cache is not None else ArtifactCache(work)
         for _ in range(refine + 1):
             todo = sorted(set(todo) - set(points), reverse=True)  # smallest selection first

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Collection
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx import external_data_helper, helper
 from onnx_ir.passes import PassManager
 
 from passes.base import run_passes
@@ -53,8 +55,130 @@ __all__ = [
     "model_hash",
     "model_structure",
     "original_outputs",
+    "read_onnx",
     "restore_exported",
 ]
+
+
+def read_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    """Parse the ONNX file ``path`` with its external data, reading nothing outside its folder.
+
+    onnx refuses ``../`` and absolute external-data locations but follows a symlink inside the
+    folder to anywhere: here every location is resolved to its real path and must lie in the
+    real folder of ``path``. Every tensor (initializers and attribute tensors, subgraphs
+    included) must then hold as many bytes as its dims and dtype declare.
+
+    Raises:
+        ModelError: not a readable ONNX file; an external-data location outside the model's
+            folder, missing or too short; a tensor holding another number of bytes than it
+            declares (each message names the tensor and the path).
+    """
+    path = Path(path)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError, ...
+        raise ModelError(f"{path}: not a readable ONNX model ({first_line(exc)})") from exc
+    _check_text(model, path)
+    folder = path.parent.resolve()
+    for tensor in external_data_helper._get_all_tensors(model):
+        if external_data_helper.uses_external_data(tensor):
+            _read_external(tensor, folder, path)
+        _check_size(tensor, path)
+    return model
+
+
+def _check_text(message, path: Path, where: str = "model") -> None:
+    """Raise ModelError at the first string field of ``message`` (recursively) that is not valid
+    UTF-8 (protobuf then hands bytes over; onnx_ir cannot write such a model)."""
+    for field, value in message.ListFields():
+        if field.type == field.TYPE_MESSAGE:
+            items = value if field.is_repeated else [value]
+            for i, item in enumerate(items):
+                name = getattr(item, "name", "")
+                label = f"{name!r}" if isinstance(name, str) and name else f"#{i}"
+                _check_text(item, path, f"{where} {field.name} {label}")
+        elif field.type == field.TYPE_STRING:
+            for text in value if field.is_repeated else [value]:
+                if isinstance(text, bytes):
+                    raise ModelError(
+                        f"{path}: the {field.name} of {where} is not valid UTF-8 ({text[:40]!r}): "
+                        "rename it with valid text (ONNX strings are UTF-8)"
+                    )
+
+
+def _read_external(tensor: onnx.TensorProto, folder: Path, path: Path) -> None:
+    """Read ``tensor``'s external data into ``raw_data``, from a file inside ``folder`` (its
+    real path), checking its length against the tensor's dims and dtype before reading."""
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    location = info.get("location", "")
+    real = (folder / location).resolve()
+    if not location or not real.is_relative_to(folder):
+        raise ModelError(
+            f"{path}: tensor {tensor.name!r} stores its data at {location!r}, which resolves to "
+            f"{real}, outside the model's folder {folder}: keep external data beside the model "
+            "(links resolved)"
+        )
+    try:
+        offset, length = int(info.get("offset") or 0), info.get("length")
+        length = None if length is None else int(length)
+        with open(real, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            length = size - offset if length is None else length
+            if offset < 0 or length < 0 or offset + length > size:
+                raise ModelError(
+                    f"{path}: tensor {tensor.name!r} reads bytes {offset}..{offset + length} of "
+                    f"{real}, which has {size}: the external data is truncated or of another "
+                    "model"
+                )
+            _check_size(tensor, path, held=length)
+            f.seek(offset)
+            tensor.raw_data = f.read(length)
+    except (OSError, ValueError) as exc:
+        raise ModelError(
+            f"{path}: cannot read the external data of tensor {tensor.name!r} from {real} "
+            f"({getattr(exc, 'strerror', None) or exc}): keep it beside the model"
+        ) from exc
+    del tensor.external_data[:]
+    tensor.ClearField("data_location")  # as if saved without external data (same hash)
+
+
+#: The typed value fields of a TensorProto (one value per element; two for complex types).
+_TYPED_FIELDS = (
+    "float_data",
+    "int32_data",
+    "int64_data",
+    "double_data",
+    "uint64_data",
+)
+
+
+def _check_size(tensor: onnx.TensorProto, path: Path, held: int | None = None) -> None:
+    """Raise ModelError if ``tensor`` holds another amount of data than its dims and dtype
+    declare (``held``: bytes of its external data, not yet read). Strings and packed 4-bit
+    types are not checked."""
+    unchecked = (onnx.TensorProto.STRING, onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
+    if tensor.data_type in unchecked:
+        return
+    try:
+        itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        return  # UNDEFINED, or a type numpy has no dtype for: not checked
+    elements = math.prod(tensor.dims)
+    if held is not None or tensor.HasField("raw_data"):
+        count = held if held is not None else len(tensor.raw_data)
+        unit, want = "bytes", elements * itemsize
+    else:
+        field = next((f for f in _TYPED_FIELDS if len(getattr(tensor, f))), None)
+        if field is None:
+            return  # no value (a graph input's placeholder, or an empty tensor)
+        complex_ = tensor.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128)
+        count, unit, want = len(getattr(tensor, field)), "values", elements * (2 if complex_ else 1)
+    if count != want:
+        raise ModelError(
+            f"{path}: tensor {tensor.name!r} declares {elements} elements (dims "
+            f"{list(tensor.dims)}, {helper.tensor_dtype_to_np_dtype(tensor.data_type)}: {want} "
+            f"{unit}) but holds {count} {unit}: the file is damaged or was written incompletely"
+        )
 
 
 def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.ModelProto:
@@ -78,10 +202,7 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: no such model file")
-    try:
-        model = onnx.load(str(path))
-    except Exception as exc:  # protobuf DecodeError, external-data errors, ...
-        raise ModelError(f"{path}: not a readable ONNX model ({first_line(exc)})") from exc
+    model = read_onnx(path)
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model with a graph (empty or truncated file?)")
     _check(model, path)
@@ -211,9 +332,9 @@ def export_with_original_outputs(
             of it (its weights were held in nodes): the single-output export is then kept.
     """
     try:
-        original = onnx.load(str(original_path))
-    except Exception as exc:
-        raise ModelError(f"{original_path}: cannot re-read the original model ({exc})") from exc
+        original = read_onnx(original_path)
+    except ModelError as exc:
+        raise ModelError(f"cannot re-read the original model: {exc}") from exc
     trained = {  # weights and running statistics; the values of other constants are the same
         i.name: i
         for i in onnx.load(str(trained_path)).graph.initializer

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,16 @@ from . import artifacts, dumps, graph, memory_profiler, profile, profiler, selec
 from .artifacts import ArtifactCache, check_frozen_bn
 from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess
 from .errors import ConfigError
-from .files import atomic_target, ensure_writable_dir, write_json_atomic
+from .files import (
+    atomic_target,
+    check_outputs,
+    ensure_writable_dir,
+    exclusive_lock,
+    private_temp_dir,
+    staged_directory,
+    sweep_stale_temp_dirs,
+    write_json_atomic,
+)
 from .importance import probe_importance
 from .memory import MemoryProfile
 from .model import LoadedModel, TensorInfo, exported_batch_hint
@@ -46,6 +54,15 @@ PROFILE_FILE = "profile.json"
 MEMORY_FILE = "memory.json"
 MODEL_FILE = "model.onnx"
 ARTIFACTS_DIR = "artifacts"
+#: Every entry of a compiled directory (module docstring); plan.json says it is complete.
+COMPILED_OUTPUTS = (
+    MODEL_FILE,
+    PROFILE_FILE,
+    MEMORY_FILE,
+    *(f"graph.{fmt}" for fmt in dumps.GRAPH_FORMATS),
+    ARTIFACTS_DIR,
+    PLAN_FILE,
+)
 
 
 def data_free_importance(tensors: list[TensorInfo]) -> np.ndarray:
@@ -176,133 +193,138 @@ def compile_model(
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
     out = ensure_writable_dir(out_dir, "-o")
     check_not_run_dir(out, "-o")
+    sweep_stale_temp_dirs(out)  # what a killed compile left
 
-    model = LoadedModel.load(source, output=output, loss=loss)
-    shapes = model.input_shapes(input_shape)
-    (out / PLAN_FILE).unlink(missing_ok=True)  # written last: a directory without it is not done
-    (out / MEMORY_FILE).unlink(missing_ok=True)  # an earlier compile's, with --memory-mb
-    with atomic_target(out / MODEL_FILE) as tmp:
-        onnx.save(model.proto, str(tmp))
-    tensors = list(model.tensors)
-    log.info("%s: %d trainable tensors, inputs %s", source.name, len(tensors), shapes)
+    check_outputs([out / name for name in COMPILED_OUTPUTS], "-o", inputs=[source, data, tokenizer])
+    # One compile at a time in OUT; built beside it and swapped in only when complete (plan.json
+    # last): a failed or killed re-compile leaves the last good one.
+    with exclusive_lock(out, "-o"), staged_directory(out, COMPILED_OUTPUTS, PLAN_FILE) as stage:
+        model = LoadedModel.load(source, output=output, loss=loss)
+        shapes = model.input_shapes(input_shape)
+        with atomic_target(stage / MODEL_FILE) as tmp:
+            onnx.save(model.proto, str(tmp))
+        tensors = list(model.tensors)
+        log.info("%s: %d trainable tensors, inputs %s", source.name, len(tensors), shapes)
 
-    with tempfile.TemporaryDirectory(prefix="etgraph-compile-") as work:
-        # One cache for the graph and the profiler: the all-trainable artifacts are generated
-        # once and the tensor-graph passes run once.
-        cache = ArtifactCache(work)
-        with exported_batch_hint(model.proto, batch_size):
-            tensor_graph = graph.build_tensor_graph(
-                model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
-            )
-        prof = profiler.profile_model(
-            model,
-            batch_size=batch_size,
-            input_shapes=shapes,
-            level=profile_level,
-            repeats=repeats,
-            threads=threads,
-            cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
-            tensor_graph=tensor_graph,
-            artifact_cache=cache,
-        )
-        mem_prof: MemoryProfile | None = None
-        if memory_mb is not None:
-            mem_prof = memory_profiler.profile_memory(
+        with private_temp_dir("compile") as work:
+            # One cache for the graph and the profiler: the all-trainable artifacts are generated
+            # once and the tensor-graph passes run once.
+            cache = ArtifactCache(work)
+            with exported_batch_hint(model.proto, batch_size):
+                tensor_graph = graph.build_tensor_graph(
+                    model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
+                )
+            prof = profiler.profile_model(
                 model,
                 batch_size=batch_size,
                 input_shapes=shapes,
-                threads=prof.threads,
+                level=profile_level,
+                repeats=repeats,
+                threads=threads,
                 cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
+                tensor_graph=tensor_graph,
                 artifact_cache=cache,
-                frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
             )
-    prof.save(out / PROFILE_FILE)
-    prof = prof.for_frozen_bn(frozen_bn)  # the time model of the artifacts' batch-norm mode
-    memory = None
-    if mem_prof is not None:
-        mem_prof.save(out / MEMORY_FILE)
-        memory = selection.MemoryCosts.from_profile(
-            mem_prof, memory_mb, resolution_mb=memory_resolution_mb
+            mem_prof: MemoryProfile | None = None
+            if memory_mb is not None:
+                mem_prof = memory_profiler.profile_memory(
+                    model,
+                    batch_size=batch_size,
+                    input_shapes=shapes,
+                    threads=prof.threads,
+                    cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
+                    artifact_cache=cache,
+                    frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
+                )
+        prof.save(stage / PROFILE_FILE)
+        prof = prof.for_frozen_bn(frozen_bn)  # the time model of the artifacts' batch-norm mode
+        memory = None
+        if mem_prof is not None:
+            mem_prof.save(stage / MEMORY_FILE)
+            memory = selection.MemoryCosts.from_profile(
+                mem_prof, memory_mb, resolution_mb=memory_resolution_mb
+            )
+
+        if data is None:
+            importance = data_free_importance(tensors)
+            importance_source = "data-free prior: parameter share"
+        else:
+            importance = probe_importance(
+                model,
+                data,
+                batch_size=batch_size,
+                input_shapes=shapes,
+                tokenizer=tokenizer,
+                preprocess=preprocess,
+            )
+            importance_source = f"first-order importance on a probe batch of {data}"
+
+        chosen = selection.select_for_rho(
+            prof, rho, importance, resolution=resolution, memory=memory
+        )
+        predicted = prof.predicted_step_us(chosen.mask)
+        memory_parts = mem_prof.parts_mb(chosen.mask) if mem_prof is not None else None
+        trainable, frozen = model.split(chosen.mask)
+        artifacts.generate(
+            model.proto,
+            trainable,
+            frozen,
+            stage / ARTIFACTS_DIR,
+            loss=model.task.loss,
+            frozen_bn=frozen_bn,
+            static_batch=(batch_size, shapes),  # as the profile measured: static shapes
         )
 
-    if data is None:
-        importance = data_free_importance(tensors)
-        importance_source = "data-free prior: parameter share"
-    else:
-        importance = probe_importance(
-            model,
-            data,
-            batch_size=batch_size,
-            input_shapes=shapes,
-            tokenizer=tokenizer,
-            preprocess=preprocess,
-        )
-        importance_source = f"first-order importance on a probe batch of {data}"
+        rows = [
+            {
+                "index": t.index,
+                "name": t.name,
+                "kind": t.kind,
+                "t_dw_us": float(dw),
+                "t_dy_us": float(dy),
+                "importance": float(imp),
+                "selected": bool(s),
+            }
+            for t, s, imp, dw, dy in zip(
+                tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
+            )
+        ]
+        columns = ["t_dw_us", "t_dy_us", "importance", "selected"]
+        if mem_prof is not None:  # what each tensor adds, and the workspace if it is the earliest
+            columns += ["tensor_mb", "earliest_mb"]
+            for row, t_mb, e_mb in zip(rows, mem_prof.tensor_mb, mem_prof.earliest_mb, strict=True):
+                row.update({"tensor_mb": float(t_mb), "earliest_mb": float(e_mb)})
+        for row in rows:
+            tensor_graph.nodes[tensor_id(row["name"])].update({k: row[k] for k in columns})
+        for fmt in dumps.GRAPH_FORMATS:
+            dumps.write_graph(tensor_graph, stage / f"graph.{fmt}", fmt)
 
-    chosen = selection.select_for_rho(prof, rho, importance, resolution=resolution, memory=memory)
-    predicted = prof.predicted_step_us(chosen.mask)
-    memory_parts = mem_prof.parts_mb(chosen.mask) if mem_prof is not None else None
-    trainable, frozen = model.split(chosen.mask)
-    artifacts.generate(
-        model.proto,
-        trainable,
-        frozen,
-        out / ARTIFACTS_DIR,
-        loss=model.task.loss,
-        frozen_bn=frozen_bn,
-        static_batch=(batch_size, shapes),  # as the profile measured: static shapes
-    )
-
-    rows = [
-        {
-            "index": t.index,
-            "name": t.name,
-            "kind": t.kind,
-            "t_dw_us": float(dw),
-            "t_dy_us": float(dy),
-            "importance": float(imp),
-            "selected": bool(s),
+        plan = {
+            "model": str(source),
+            "model_hash": model.hash,
+            "rho": rho,
+            "batch_size": batch_size,
+            "input_shapes": {name: list(dims) for name, dims in shapes.items()},
+            "task": model.task.to_json(),  # output trained on, loss, K or D; `train OUT` reuses it
+            "forward_us": prof.forward_us,
+            "t_full_us": prof.t_full_us,
+            "measured_full_step_us": prof.measured_full_step_us,
+            "budget_us": timing.budget_us(rho, prof.forward_us, prof.t_full_us),
+            "predicted_step_us": predicted,
+            "memory_mb": memory_mb,  # the peak-memory budget (MiB), None = time only
+            "predicted_peak_mb": None if memory_parts is None else memory_parts["peak_mb"],
+            "memory_parts_mb": memory_parts,  # etgraph.memory.MemoryProfile.parts_mb
+            "memory_resolution_mb": memory_resolution_mb if memory_mb is not None else None,
+            "importance_source": importance_source,
+            "removed_head": model.head,  # restored on the trained model etgraph train exports
+            "resolution": resolution,
+            "preprocess": preprocess.to_json(),  # reused by etgraph train OUT (etgraph.plan)
+            "frozen_bn": frozen_bn,
+            "tensors": rows,
+            "frozen_params": frozen,
+            "trainable_params": trainable,
         }
-        for t, s, imp, dw, dy in zip(
-            tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
-        )
-    ]
-    columns = ["t_dw_us", "t_dy_us", "importance", "selected"]
-    if mem_prof is not None:  # what each tensor adds, and the workspace if it is the earliest
-        columns += ["tensor_mb", "earliest_mb"]
-        for row, t_mb, e_mb in zip(rows, mem_prof.tensor_mb, mem_prof.earliest_mb, strict=True):
-            row.update({"tensor_mb": float(t_mb), "earliest_mb": float(e_mb)})
-    for row in rows:
-        tensor_graph.nodes[tensor_id(row["name"])].update({k: row[k] for k in columns})
-    for fmt in dumps.GRAPH_FORMATS:
-        dumps.write_graph(tensor_graph, out / f"graph.{fmt}", fmt)
-
-    plan = {
-        "model": str(source),
-        "model_hash": model.hash,
-        "rho": rho,
-        "batch_size": batch_size,
-        "input_shapes": {name: list(dims) for name, dims in shapes.items()},
-        "task": model.task.to_json(),  # output trained on, loss, K or D; `train OUT` reuses it
-        "forward_us": prof.forward_us,
-        "t_full_us": prof.t_full_us,
-        "measured_full_step_us": prof.measured_full_step_us,
-        "budget_us": timing.budget_us(rho, prof.forward_us, prof.t_full_us),
-        "predicted_step_us": predicted,
-        "memory_mb": memory_mb,  # the peak-memory budget (MiB), None = time only
-        "predicted_peak_mb": None if memory_parts is None else memory_parts["peak_mb"],
-        "memory_parts_mb": memory_parts,  # etgraph.memory.MemoryProfile.parts_mb
-        "memory_resolution_mb": memory_resolution_mb if memory_mb is not None else None,
-        "importance_source": importance_source,
-        "removed_head": model.head,  # restored on the trained model etgraph train exports
-        "resolution": resolution,
-        "preprocess": preprocess.to_json(),  # reused by etgraph train OUT (etgraph.plan)
-        "frozen_bn": frozen_bn,
-        "tensors": rows,
-        "frozen_params": frozen,
-        "trainable_params": trainable,
-    }
-    write_json_atomic(out / PLAN_FILE, plan)
+        write_json_atomic(stage / PLAN_FILE, plan)
     return CompileResult(
         out_dir=out,
         n_tensors=len(tensors),

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import atomic_target
 from .rundir import CURVES_FILE, SELECTION_FILE, read_log
 
 __all__ = ["plot_curves", "plot_run", "plot_selection"]
@@ -68,7 +69,8 @@ def plot_curves(records: Sequence[dict], out_png: str | os.PathLike, *, title: s
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out_png)
-    fig.savefig(out, dpi=110)
+    with atomic_target(out) as tmp:  # a user never picks up half a picture
+        fig.savefig(tmp, dpi=110, format="png")
     return out
 
 
@@ -98,7 +100,8 @@ def plot_selection(records: Sequence[dict], out_png: str | os.PathLike, *, title
     ax.set_title(title or "selected tensors per epoch (dark = trained)")
     fig.tight_layout()
     out = Path(out_png)
-    fig.savefig(out, dpi=110)
+    with atomic_target(out) as tmp:  # a user never picks up half a picture
+        fig.savefig(tmp, dpi=110, format="png")
     return out
 
 

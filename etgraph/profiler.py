@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,7 +114,7 @@ from .artifacts import (
     training_graphs,
 )
 from .errors import ConfigError, ModelError, first_line
-from .files import ensure_writable_dir
+from .files import ensure_writable_dir, private_temp_dir
 from .fold import (
     batch_norm_modes,
     calibrate,
@@ -274,7 +273,7 @@ def profile_model(
     start = time.perf_counter()
     freeze_gc()
     with (
-        tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work,
+        private_temp_dir("profile") as work,
         exported_batch_hint(model.proto, batch_size),
     ):
         prof = _profile(

@@ -16,11 +16,14 @@ A run directory holds (names below; the period loop is :mod:`etgraph.loop`):
   (the checkpoint a new selection's session starts from; removed at the end).
 
 Every file is written atomically (:mod:`etgraph.files`): a kill leaves the last complete version
-and, at worst, temporaries that :func:`remove_temporaries` deletes when the run resumes.
+and, at worst, temporaries that :func:`remove_temporaries` deletes when the run resumes. One
+process at a time trains in a run directory (:func:`locked`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import math
@@ -34,7 +37,13 @@ import numpy as np
 from onnx import helper
 
 from . import files
-from .checkpoint import CarriedState, read_checkpoint
+from .checkpoint import (
+    DIGEST_SUFFIX,
+    PREVIOUS_SUFFIX,
+    CarriedState,
+    read_checkpoint,
+    verify_checkpoint,
+)
 from .errors import CheckpointError, ConfigError
 from .labels import CLASSES_FILE
 from .model import LoadedModel
@@ -61,6 +70,7 @@ __all__ = [
     "checkpoint_properties",
     "check_not_run_dir",
     "format_summary",
+    "locked",
     "prepare_run_dir",
     "read_log",
     "read_run_checkpoint",
@@ -90,11 +100,15 @@ RUN_PROPERTY = "etgraph_run"
 #: Files written atomically in the run directory: their temporaries are removed on resume.
 _ATOMIC_FILES = (
     CHECKPOINT_FILE,
+    CHECKPOINT_FILE + DIGEST_SUFFIX,
+    CHECKPOINT_FILE + PREVIOUS_SUFFIX,
     LOG_FILE,
     SUMMARY_FILE,
     RUN_FILE,
     TRAINED_MODEL_FILE,
     CLASSES_FILE,
+    CURVES_FILE,
+    SELECTION_FILE,
 )
 
 C = TypeVar("C")
@@ -198,10 +212,12 @@ def prepare_run_dir(out: Path) -> Path:
     or was stopped before its first period ended) kept nothing: the new run starts over there.
 
     Raises:
-        ConfigError: ``out`` cannot be written, is a compiled directory (a run would overwrite
-            its profile and artifacts), or holds a run (continue it with ``--resume``).
+        ConfigError: ``out`` cannot be written, holds a special file where a run file goes, is a
+            compiled directory (a run would overwrite its profile and artifacts), or holds a run
+            (continue it with ``--resume``).
     """
     files.ensure_writable_dir(out, "--out")
+    files.check_outputs([out / name for name in _ATOMIC_FILES], "--out")
     if any((out / name).exists() for name in COMPILED_FILES):
         raise ConfigError(
             f"{out} is a compiled directory (etgraph compile): train into another --out, "
@@ -215,6 +231,34 @@ def prepare_run_dir(out: Path) -> Path:
     if (out / RUN_FILE).exists():
         log.info("%s holds a run that saved no checkpoint: starting it over", out)
     return out
+
+
+def locked(*, new: bool) -> Callable[[Callable[..., C]], Callable[..., C]]:
+    """Decorator of the entry points that write a run directory (their ``out_dir`` argument):
+    hold its exclusive lock (:func:`etgraph.files.exclusive_lock`) for the whole call, so a
+    second process writing the same run is refused with one line naming the holder's pid.
+
+    Args:
+        new: the call starts a run (the directory is created, writable); else it continues
+            one (a directory without ``run.json`` is not locked: the call refuses it).
+    """
+
+    def decorate(function: Callable[..., C]) -> Callable[..., C]:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def call(*args, **kwargs) -> C:
+            out = Path(signature.bind(*args, **kwargs).arguments["out_dir"])
+            if new:
+                files.ensure_writable_dir(out, "--out")
+            elif not (out / RUN_FILE).is_file():
+                return function(*args, **kwargs)
+            with files.exclusive_lock(out, "--out" if new else "run directory"):
+                return function(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def check_not_run_dir(out: Path, option: str) -> None:
@@ -320,7 +364,7 @@ def remove_temporaries(out: Path) -> None:
 
 def start_log(out: Path) -> None:
     """Start an empty ``log.jsonl`` (a new run, or a restart before the first checkpoint)."""
-    (out / LOG_FILE).write_text("")
+    files.write_atomic(out / LOG_FILE, "")
 
 
 def append_log(out: Path, record: dict) -> None:
@@ -373,17 +417,22 @@ def checkpoint_properties(
 def read_run_checkpoint(
     out: Path, model: LoadedModel, config_hash: str
 ) -> tuple[CarriedState, int]:
-    """Read the run's ``checkpoint`` and check that it can resume training ``model``.
+    """Read the run's ``checkpoint`` and check that it can resume training ``model``: first its
+    sha256 against the one recorded when it was written
+    (:func:`etgraph.checkpoint.verify_checkpoint`; a damaged checkpoint is replaced by the
+    previous one if that is intact, and the run continues from there).
 
     Returns:
         ``(state, epoch)``: the carried state and the number of epochs done.
 
     Raises:
-        CheckpointError: corrupt; without etgraph's run state; of another configuration; lacks
-            a tensor of ``model``; or holds a tensor whose shape or dtype differs from the
-            model's (ORT would fail deep inside otherwise). Each message names the file.
+        CheckpointError: damaged (no intact previous one) or corrupt; without etgraph's run
+            state; of another configuration; lacks a tensor of ``model``; or holds a tensor
+            whose shape or dtype differs from the model's (ORT would fail deep inside
+            otherwise). Each message names the file.
     """
     path = out / CHECKPOINT_FILE
+    verify_checkpoint(path)
     carried, _, properties = read_checkpoint(path)
     try:
         run_state = json.loads(properties[RUN_PROPERTY])

@@ -24,7 +24,6 @@ The onnxruntime-training wheel imports ``onnxruntime.training`` (and with it tor
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -35,8 +34,8 @@ import onnxruntime as ort
 from onnxruntime.training import api
 
 from .artifacts import bake_frozen
-from .checkpoint import read_checkpoint
-from .files import atomic_target
+from .checkpoint import checkpoint_target, read_checkpoint
+from .files import private_temp_dir
 
 __all__ = [
     "ROLES",
@@ -329,7 +328,7 @@ class TrainingSession:
         self.input_names = list(input_names)
         self._baked = None
         if bake:
-            self._baked = tempfile.TemporaryDirectory(prefix="etgraph-baked-")
+            self._baked = private_temp_dir("baked")
             weights = read_checkpoint(checkpoint, moments=False)[0].weights  # frozen: no moments
             d = bake_frozen(d, weights, self._baked.name)
             del weights
@@ -381,10 +380,12 @@ class TrainingSession:
         return total_loss / max(count, 1), total_metric / max(count, 1)
 
     def save(self, path: str | os.PathLike, properties: Mapping[str, str]) -> None:
-        """Save weights + optimizer state + string properties to ``path`` atomically."""
+        """Save weights + optimizer state + string properties to ``path`` atomically, its
+        digest recorded and the previous version kept (:func:`etgraph.checkpoint.
+        checkpoint_target`)."""
         for key, value in properties.items():
             self.state.properties[key] = value
-        with atomic_target(path) as tmp:
+        with checkpoint_target(path) as tmp:
             api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
 
     def release_sessions(self) -> None:

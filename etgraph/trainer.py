@@ -68,6 +68,7 @@ from .clock import DeadlinePlanner, period_reference_positions
 from .config import TrainConfig
 from .data import ArrayDataset, Dataset, as_dataset
 from .errors import ConfigError, DataError, ProfileMismatchError, TrainingDivergedError
+from .files import temporary_prefix
 from .host import (
     freeze_gc,
     limit_heap_retention,
@@ -812,6 +813,7 @@ class ElasticTrainer:
             ``path``.
         """
         path = Path(path)
+        partial = path.with_name(f"{temporary_prefix(path.name)}partial")  # hidden until done
         if self._session is not None and self._session.module is not None:
             ckpt = self.work_dir / "export.ckpt"
             self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -837,12 +839,13 @@ class ElasticTrainer:
         if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
             set_class_names(labelled, self.dataset.class_names)
         metadata = {p.key: p.value for p in labelled.metadata_props}
-        export_inference_model(paths.eval_model, ckpt, path, [self.model.output_name], metadata)
+        export_inference_model(paths.eval_model, ckpt, partial, [self.model.output_name], metadata)
         # the artifacts' batch size was fixed (the cache); the original output meaning
-        restore_exported(path, self.model.head)
+        restore_exported(partial, self.model.head)
         memory_log("export")
-        if self._export_original_outputs(path) and self.dataset.class_names:
-            stamp_onnx(path, self.dataset.class_names)  # the original's file had none
+        if self._export_original_outputs(partial) and self.dataset.class_names:
+            stamp_onnx(partial, self.dataset.class_names)  # the original's file had none
+        os.replace(partial, path)  # a user never picks up a half-made model
         return path
 
     def _export_original_outputs(self, trained: Path) -> bool:

@@ -28,12 +28,15 @@ def test_bare_command_prints_its_help_not_an_error():
 
 
 def test_interrupted_train_says_how_to_continue(monkeypatch, capsys, tmp_path):
-    """Ctrl-C (click's Abort) in `etgraph train`: exit 130 and the --resume command."""
+    """Ctrl-C (click's Abort) in `etgraph train`: exit 130 and the --resume command once the
+    run has started (its run.json written); before that, no command."""
 
     def interrupted(*_, **__):
         raise click.exceptions.Abort
 
     monkeypatch.setattr(cli_module, "_train_model", interrupted)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")
     with pytest.raises(SystemExit, match="130"):
         cli_module.main(["train", "--out", str(tmp_path / "run"), "--epochs", "1"])
     assert capsys.readouterr().err.strip() == (
@@ -41,7 +44,9 @@ def test_interrupted_train_says_how_to_continue(monkeypatch, capsys, tmp_path):
         f"`etgraph train --resume {tmp_path / 'run'}`"
     )
     assert cli_module._resume_hint(["compile", "-o", "x"]) == ""
-    assert cli_module._resume_hint(["train", "--resume=r"]).endswith("--resume r`")
+    run = tmp_path / "run"
+    assert cli_module._resume_hint(["train", f"--resume={run}"]).endswith(f"--resume {run}`")
+    assert cli_module._resume_hint(["train", "--out", str(tmp_path / "not-started")]) == ""
 
 
 def test_internal_error_names_the_innermost_cause(monkeypatch, capsys, tmp_path):

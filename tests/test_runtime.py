@@ -501,6 +501,9 @@ def test_resume_errors(tmp_path, default_profile, default_model, rho):
     out = tmp_path / "run"
     train(default_model, prof, config, out, progress=False)
     (out / "checkpoint").write_bytes((out / "checkpoint").read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="is damaged: its sha256 differs"):
+        resume(out, progress=False)
+    (out / "checkpoint.sha256").unlink()  # no digest recorded (a hand-made run): the reader's
     with pytest.raises(CheckpointError, match="is corrupt"):
         resume(out, progress=False)
 

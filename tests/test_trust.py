@@ -1,0 +1,395 @@
+"""Trust at the edges (issue 26): what etgraph reads and writes, what survives a kill or a full
+disk, what a resume checks, and inputs that used to end in an internal error.
+
+Each test is written against the behaviour before the fix: it failed then (a file read through
+a symlink, an output replacing its input, a traceback, a silently wrong picture, ...).
+Commands run through the CLI's entry point in this process where that sees everything; signals,
+locks held by another process, and resource limits need a real ``python -m etgraph``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from helpers import (
+    assert_user_error,
+    make_model,
+    random_initializer,
+    run_cli,
+    run_cli_in_process,
+)
+from onnx import external_data_helper, helper
+
+from etgraph.errors import ModelError
+from etgraph.model import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def cli(cache_env):
+    """The CLI in this process with the session's private profile cache."""
+
+    def run(*args: str | os.PathLike) -> subprocess.CompletedProcess:
+        return run_cli_in_process(*args, env=cache_env)
+
+    return run
+
+
+def small_model() -> onnx.ModelProto:
+    """x[N, 3, 8, 8] -> Flatten -> Gemm(w [4, 192]) -> y[N, 4]: one trainable tensor."""
+    nodes = [
+        helper.make_node("Flatten", ["x"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "w"], ["y"], name="fc", transB=1),
+    ]
+    return make_model(
+        nodes, [random_initializer("w", (4, 192))], in_shape=("N", 3, 8, 8), out_shape=("N", 4)
+    )
+
+
+def save_external(model: onnx.ModelProto, folder: Path, location: str = "weights.bin") -> Path:
+    """Save ``model`` as ``folder/m.onnx`` with every initializer in ``folder/location``."""
+    (folder / location).parent.mkdir(parents=True, exist_ok=True)
+    external_data_helper.convert_model_to_external_data(
+        model, all_tensors_to_one_file=True, location=location, size_threshold=0
+    )
+    path = folder / "m.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+# ---- security: nothing read outside the model's folder -------------------------------------
+
+
+def test_external_data_through_a_symlink_out_of_the_folder_is_refused(cli, tmp_path):
+    path = save_external(small_model(), tmp_path / "model")
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes((tmp_path / "model" / "weights.bin").read_bytes())  # same size: loads
+    (tmp_path / "model" / "weights.bin").unlink()
+    (tmp_path / "model" / "weights.bin").symlink_to(secret)
+    done = cli("compile", path, "-o", tmp_path / "out")
+    assert_user_error(done, "'w'", str(secret), "outside the model's folder")
+    assert not (tmp_path / "out" / "model.onnx").exists()
+
+
+def test_external_data_linked_inside_the_folder_loads(tmp_path):
+    path = save_external(small_model(), tmp_path / "model", "data/w.bin")
+    (tmp_path / "model" / "alias.bin").symlink_to(tmp_path / "model" / "data" / "w.bin")
+    model = onnx.load(str(path), load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "alias.bin"
+    onnx.save(model, str(path))
+    from etgraph.onnx_io import read_onnx
+
+    loaded = read_onnx(path)
+    expected = onnx.numpy_helper.to_array(small_model().graph.initializer[0])
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(loaded.graph.initializer[0]), expected)
+    assert not loaded.graph.initializer[0].external_data
+
+
+def test_truncated_external_data_is_refused(tmp_path):
+    path = save_external(small_model(), tmp_path / "model")
+    weights = tmp_path / "model" / "weights.bin"
+    weights.write_bytes(weights.read_bytes()[:100])
+    from etgraph.onnx_io import read_onnx
+
+    with pytest.raises(ModelError, match="'w' reads bytes 0..3072 of .* which has 100"):
+        read_onnx(path)
+
+
+def test_a_tensor_declaring_more_elements_than_it_holds_is_refused_at_load(cli, tmp_path):
+    model = small_model()
+    w = model.graph.initializer[0]
+    del w.dims[:]
+    w.dims.extend([10**6, 10**6])
+    w.raw_data = b"\0\0\0\0"
+    tmp_path.joinpath("m").mkdir()
+    onnx.save(model, str(tmp_path / "m" / "m.onnx"))
+    done = cli("compile", tmp_path / "m" / "m.onnx", "-o", tmp_path / "out")
+    assert_user_error(done, "'w' declares 1000000000000 elements", "holds 4 bytes")
+
+
+def test_a_node_name_that_is_not_utf8_is_refused(cli, tmp_path):
+    model = small_model()
+    model.graph.node[0].name = "flattenXX"
+    path = tmp_path / "m.onnx"
+    data = model.SerializeToString().replace(b"flattenXX", b"flatte\xff\xfeX")  # same length
+    path.write_bytes(data)
+    done = cli("compile", path, "-o", tmp_path / "out")
+    assert_user_error(done, "is not valid UTF-8", "node #0")
+    with pytest.raises(ModelError):
+        LoadedModel.load(path)
+
+
+# ---- security: nothing written where it should not be ---------------------------------------
+
+
+def test_compile_into_the_models_own_folder_does_not_replace_the_model(cli, tmp_path):
+    model = tmp_path / "model.onnx"
+    onnx.save(small_model(), str(model))
+    before = model.read_bytes()
+    done = cli("compile", model, "-o", tmp_path)
+    assert_user_error(done, f"would replace the input {model}", "-o")
+    assert model.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_profile_output_on_a_special_file_is_refused(cli, default_model_path, tmp_path, kind):
+    target = tmp_path / "profile.json"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        try:
+            os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        except PermissionError:
+            pytest.skip("creating a device node needs root")
+    done = cli("profile", default_model_path, "-o", target)
+    assert_user_error(done, str(target), "special file")
+    assert not stat.S_ISREG(os.lstat(target).st_mode)
+
+
+def test_profile_output_on_its_own_model_is_refused(cli, tmp_path):
+    model = tmp_path / "m.onnx"
+    onnx.save(small_model(), str(model))
+    link = tmp_path / "link.onnx"
+    link.symlink_to(model)
+    assert_user_error(cli("profile", model, "-o", link), "would replace the input")
+
+
+# ---- nothing lost: compile builds beside the last good one; one process per directory ------
+
+QUICK_TRAIN = ["--epochs", "1", "--max-steps-per-epoch", "2", "--max-val-batches", "1", "--quiet"]
+#: A run that lasts long enough to be interrupted (each epoch a few seconds).
+LONG_TRAIN = ["--epochs", "40", "--max-steps-per-epoch", "100", "--max-val-batches", "1"]
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every regular file under ``directory`` (hidden ones included, but the lock file, which
+    records the last process's pid) and its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != ".etgraph-lock"
+    }
+
+
+def wait_for(condition, timeout_s: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``condition()`` until true (fails after ``timeout_s``, or if ``proc`` ended)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def popen_cli(*args, env: dict[str, str]) -> subprocess.Popen:
+    """``python -m etgraph ARGS`` started in the background (text stderr piped)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "etgraph", *map(str, args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.fixture(scope="module")
+def compiled(cli, tmp_path_factory) -> Path:
+    """A compile of the embedded default model (quick profile)."""
+    out = tmp_path_factory.mktemp("compiled") / "c"
+    done = cli("compile", "-o", out, "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_failed_recompile_leaves_the_last_good_compile(cli, compiled, tmp_path):
+    before = files_of(compiled)
+    done = cli("compile", "-o", compiled, "--repeats", "1", "--data", tmp_path / "typo")
+    assert_user_error(done, "typo")
+    assert files_of(compiled) == before
+    assert cli("train", compiled, "--out", tmp_path / "run", *QUICK_TRAIN).returncode == 0
+
+
+def test_a_killed_recompile_leaves_the_last_good_compile(compiled, cache_env, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(compiled, out)
+    before = files_of(out)
+    fresh = {"ETGRAPH_CACHE": str(tmp_path / "cache")}  # the profile is measured again
+    proc = popen_cli("compile", "-o", out, "--repeats", "30", env=fresh)
+    try:  # killed once the new model is written beside the old one (profiling then starts)
+        wait_for(lambda: list(out.glob(".etgraph-stage-*/model.onnx")), proc=proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    after = files_of(out)
+    assert {k: v for k, v in after.items() if not k.startswith(".etgraph-stage-")} == before
+    done = run_cli_in_process("compile", "-o", out, "--repeats", "1", env=cache_env)
+    assert done.returncode == 0, done.stderr
+    assert not list(out.glob(".etgraph-stage-*")), "the killed compile's stage was not swept"
+
+
+def test_a_second_run_in_the_same_directory_is_refused(cli, default_profile, cache_env, tmp_path):
+    out = tmp_path / "run"
+    first = popen_cli(
+        "train", "--out", out, "--profile", default_profile[1], *LONG_TRAIN, env=cache_env
+    )
+    try:
+        wait_for(lambda: (out / "log.jsonl").exists(), proc=first)
+        done = cli("train", "--out", out, "--profile", default_profile[1], *QUICK_TRAIN)
+        assert_user_error(done, f"pid {first.pid}", "in use by another etgraph process")
+        done = cli("train", "--resume", out, "--quiet")
+        assert_user_error(done, f"pid {first.pid}")
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_a_second_compile_into_the_same_directory_is_refused(cli, compiled):
+    from etgraph.files import exclusive_lock
+
+    with exclusive_lock(compiled, "-o"):
+        done = cli("compile", "-o", compiled, "--repeats", "1")
+    assert_user_error(done, f"pid {os.getpid()}", "-o")
+
+
+# ---- temporary directories: private, removed on SIGTERM, swept after SIGKILL ----------------
+
+
+def etgraph_dirs(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.startswith("etgraph-"))
+
+
+def test_sigterm_removes_the_temporary_directories(default_profile, cache_env, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "run"
+    env = {**cache_env, "TMPDIR": str(tmp)}
+    proc = popen_cli("train", "--out", out, "--profile", default_profile[1], *LONG_TRAIN, env=env)
+    try:  # terminated while training: the session's baked graphs hold the model's weights
+        wait_for(lambda: (out / "log.jsonl").exists() and etgraph_dirs(tmp), proc=proc)
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in etgraph_dirs(tmp))
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"etgraph: terminated: continue from the last checkpoint with `etgraph train --resume "
+        f"{out}`"
+    )
+    assert etgraph_dirs(tmp) == []
+
+
+def test_temporary_directories_of_killed_processes_are_swept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"etgraph-baked-{dead.pid}-abc"
+    live = tmp_path / f"etgraph-baked-{os.getpid()}-abc"
+    other = tmp_path / f"something-{dead.pid}-abc"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "weights.onnx").write_bytes(b"x")
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "inspect", "--passes"],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+    )
+    assert done.returncode == 0
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_ctrl_c_while_profiling_does_not_suggest_resuming_a_run_that_was_not_started(tmp_path):
+    out = tmp_path / "run"
+    env = {"ETGRAPH_CACHE": str(tmp_path / "cache")}  # nothing cached: the model is profiled
+    proc = popen_cli("train", "--out", out, "--profile-level", "thorough", env=env)
+    try:
+        assert "profiling" in proc.stderr.readline()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "etgraph: interrupted"
+    assert not out.exists()
+
+
+# ---- checkpoint integrity --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_period_run(cli, default_profile, tmp_path_factory) -> Path:
+    """A finished run of 2 epochs, a checkpoint after each (period 1)."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    args = ["--epochs", "2", "--period", "1", "--max-steps-per-epoch", "3", "--max-val-batches"]
+    done = cli("train", "--out", out, "--profile", default_profile[1], *args, "1", "--quiet")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def zero_middle(path: Path, count: int = 4000) -> None:
+    """Zero ``count`` bytes in the middle of ``path`` (inside a weight tensor's data: the file
+    still parses)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(count)
+    path.write_bytes(data)
+
+
+def test_a_damaged_checkpoint_is_refused_at_resume(cli, two_period_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_period_run, out)
+    zero_middle(out / "checkpoint")
+    (out / "checkpoint.prev").unlink(missing_ok=True)
+    done = cli("train", "--resume", out, "--quiet")
+    assert_user_error(done, f"checkpoint {out / 'checkpoint'} is damaged", "sha256")
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(
+    cli, two_period_run, cache_env, tmp_path
+):
+    out = tmp_path / "run"
+    shutil.copytree(two_period_run, out)
+    zero_middle(out / "checkpoint")
+    done = run_cli("train", "--resume", out, env=cache_env)  # the warning as a user sees it
+    assert done.returncode == 0, done.stderr
+    assert f"checkpoint {out / 'checkpoint'} is damaged" in done.stderr
+    assert "continuing from the previous checkpoint" in done.stderr
+    assert f"resuming {out} after epoch 1 of 2" in done.stdout + done.stderr
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2]
+    done = cli("train", "--resume", out, "--quiet")  # the repaired run is intact
+    assert done.returncode == 0 and "damaged" not in done.stderr, done.stderr
+
+
+def test_the_trained_model_appears_only_complete(cli, default_profile, monkeypatch, tmp_path):
+    """model_trained.onnx is exported, its batch freed and its head restored before it
+    appears: a kill in between left a model fixed at the training batch (it failed at batch
+    1). Every time a model is read while the run exports, the file there is the final one."""
+    import onnx_ir
+
+    out, seen = tmp_path / "run", []
+    load = onnx_ir.load
+
+    def spy(*args, **kwargs):
+        if (out / "model_trained.onnx").exists():
+            seen.append((out / "model_trained.onnx").read_bytes())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(onnx_ir, "load", spy)
+    done = cli("train", "--out", out, "--profile", default_profile[1], *QUICK_TRAIN)
+    assert done.returncode == 0, done.stderr
+    final = (out / "model_trained.onnx").read_bytes()
+    assert all(snapshot == final for snapshot in seen)
+    assert not list(out.glob(".model_trained.onnx.*"))
