@@ -1,17 +1,10 @@
 """``etgraph compile``: the main job, model -> graph -> timings -> selection -> artifacts.
 
-One function, :func:`compile_model`, runs the whole chain once and writes a compiled directory
-that ``etgraph train OUT`` continues from and ``etgraph inspect OUT`` reads, and nothing else::
-
-    OUT/model.onnx          the legalised forward model (what everything else was built from)
-    OUT/graph.json|.graphml|.dot   tensor-level backward graph with timings, importance, selection
-    OUT/profile.json        per-tensor t_dw_us / t_dy_us, forward_us, measured_full_step_us
-    OUT/memory.json         with --memory-mb: the memory model (etgraph.memory.MemoryProfile)
-    OUT/plan.json           the selection: rho, budget, t_full_us, predicted step time, the
-                            per-tensor table, frozen and trainable parameter lists; the
-                            model's input normalisation (``preprocess``) and the frozen
-                            batch-norm mode (``frozen_bn``), reused by ``etgraph train OUT``
-    OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
+:func:`compile` runs the whole chain once and returns a :class:`etgraph.plan.Plan` in memory;
+:meth:`Plan.save` writes the compiled directory that ``etgraph train OUT`` continues from and
+``etgraph inspect OUT`` reads (:mod:`etgraph.plan` lists its files). :func:`compile_model` is
+the command's: it checks the output directory before any work, holds its lock, compiles and
+saves.
 """
 
 from __future__ import annotations
@@ -24,45 +17,22 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from passes.layout import tensor_id
 from passes.onnx import DEFAULT_FROZEN_BN
 
-from . import artifacts, dumps, graph, memory_profiler, profile, profiler, selection, timing
+from . import graph, memory_profiler, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
 from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess
 from .errors import ConfigError
-from .files import (
-    atomic_target,
-    check_outputs,
-    ensure_writable_dir,
-    exclusive_lock,
-    private_temp_dir,
-    staged_directory,
-    sweep_stale_temp_dirs,
-    write_json_atomic,
-)
+from .files import exclusive_lock, private_temp_dir
 from .importance import probe_importance
 from .memory import MemoryProfile
 from .model import LoadedModel, TensorInfo, exported_batch_hint
-from .plan import PLAN_FILE
-from .rundir import check_not_run_dir
+from .plan import Plan, prepare_compiled_dir
 from .text import check_text_options
 
 log = logging.getLogger(__name__)
 
-PROFILE_FILE = "profile.json"
-MEMORY_FILE = "memory.json"
-MODEL_FILE = "model.onnx"
-ARTIFACTS_DIR = "artifacts"
-#: Every entry of a compiled directory (module docstring); plan.json says it is complete.
-COMPILED_OUTPUTS = (
-    MODEL_FILE,
-    PROFILE_FILE,
-    MEMORY_FILE,
-    *(f"graph.{fmt}" for fmt in dumps.GRAPH_FORMATS),
-    ARTIFACTS_DIR,
-    PLAN_FILE,
-)
+__all__ = ["CompileResult", "compile", "compile_model", "data_free_importance"]
 
 
 def data_free_importance(tensors: list[TensorInfo]) -> np.ndarray:
@@ -93,6 +63,164 @@ def check_batch_size(batch_size: int) -> int:
     if batch_size <= 0:
         raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
     return batch_size
+
+
+def _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb) -> None:
+    """The settings' one-line errors, before anything is loaded or measured."""
+    check_rho(rho)
+    check_text_options(data, tokenizer)
+    check_batch_size(batch_size)
+    check_frozen_bn(frozen_bn)
+    if memory_mb is not None and not 0 < memory_mb < float("inf"):
+        raise ConfigError(f"--memory-mb must be a positive number of MiB, got {memory_mb}")
+
+
+def compile(  # noqa: A001 (the API's verb, as torch.compile)
+    model: LoadedModel | str | os.PathLike | onnx.ModelProto | None = None,
+    *,
+    rho: float = 0.5,
+    batch_size: int = 4,
+    input_shape=None,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    output: str | None = None,
+    loss: str = "ce",
+    profile_level: str = "fast",
+    repeats: int | None = None,
+    threads: int | None = None,
+    resolution: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    preprocess: Preprocess | None = None,
+    frozen_bn: str = DEFAULT_FROZEN_BN,
+    memory_mb: float | None = None,
+    memory_resolution_mb: float = 1.0,
+) -> Plan:
+    """Compile a model for elastic training at step-time ratio ``rho``, in memory.
+
+    Runs import + legalisation, the tensor-graph passes (paper §5), profiling on this device
+    (cached), importance (first-order, paper Eq. 2, on a probe batch of ``data`` when given;
+    otherwise :func:`data_free_importance`) and the DP of paper Eq. (3) under
+    ``rho * T_full`` (``Profile.t_full_us``, the time model's full step). The artifacts are
+    generated when the plan is saved (:meth:`etgraph.plan.Plan.save`).
+
+    Args:
+        model: a loaded model (:func:`etgraph.load_model`), an ONNX file, an
+            ``onnx.ModelProto``, or None for the embedded default.
+        rho: requested step time as a fraction of full training, in (0, 1].
+        batch_size: training batch size the profile and plan are for (> 0).
+        input_shape: per-input shapes (``--input-shape`` texts ``NAME=DIMS`` or a bare
+            ``"CxHxW"``, a mapping, or ``(C, H, W)``; :func:`etgraph.model.input_shapes`);
+            required where the model's dims are symbolic.
+        data: dataset spec for the importance probe (``"digits"``, an image-folder path, a
+            ``.npz`` file, or a .csv/.jsonl text file; :func:`etgraph.data.load_task_data`);
+            recorded in the plan as the data to train on.
+        tokenizer: the model's ``tokenizer.json`` for text ``data``.
+        output, loss: the graph output to train on and the loss (a model given as a file or
+            proto; :func:`etgraph.load_model`).
+        profile_level: ``"fast"`` or ``"thorough"`` (:data:`etgraph.profiler.LEVELS`).
+        repeats: profiler repetitions per configuration (None: the level's default).
+        threads: ORT intra-op threads (default: profiler's default).
+        resolution: DP time resolution ``T_q`` (None = exact µs).
+        cache_dir: profile cache (default: the profiler's).
+        preprocess: the model's input normalisation for image folders (None: ImageNet).
+        frozen_bn: ``"inference"`` or ``"train"``: how unselected batch norms run in the
+            artifacts (:mod:`etgraph.artifacts`).
+        memory_mb: peak-memory budget, MiB (issue #17): bounds the training process's peak
+            resident memory as the OS reports it, libraries included. The memory model is
+            measured (:func:`etgraph.memory_profiler.profile_memory`, cached beside the
+            profiles) and the DP selects under both budgets. None = time budget only.
+        memory_resolution_mb: the DP's memory unit, MiB.
+
+    Returns:
+        A :class:`etgraph.plan.Plan`.
+
+    Raises:
+        ModelError, UnsupportedOpError: the model cannot be loaded or trained.
+        ConfigError: bad rho, batch size, input shape, output or loss.
+        InfeasibleBudgetError: rho is below what the forward pass costs (gives the smallest rho).
+        InfeasibleMemoryError: no selection fits ``memory_mb`` (gives the smallest budget).
+        DataError: the probe dataset cannot be loaded.
+    """
+    _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb)
+    preprocess = DEFAULT_PREPROCESS if preprocess is None else preprocess
+    if not isinstance(model, LoadedModel):
+        from .api import load_model
+
+        model = load_model(model, output=output, loss=loss)
+    shapes = model.input_shapes(input_shape)
+    cache_dir = cache_dir if cache_dir is not None else profile.default_cache_dir()
+    log.info("%s: %d trainable tensors, inputs %s", model.source.name, len(model.tensors), shapes)
+    with private_temp_dir("compile") as work:
+        # One cache for the graph and the profiler: the all-trainable artifacts are generated
+        # once and the tensor-graph passes run once.
+        cache = ArtifactCache(work)
+        with exported_batch_hint(model.proto, batch_size):
+            tensor_graph = graph.build_tensor_graph(
+                model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
+            )
+        prof = profiler.profile_model(
+            model,
+            batch_size=batch_size,
+            input_shapes=shapes,
+            level=profile_level,
+            repeats=repeats,
+            threads=threads,
+            cache_dir=cache_dir,
+            tensor_graph=tensor_graph,
+            artifact_cache=cache,
+        )
+        mem_prof: MemoryProfile | None = None
+        if memory_mb is not None:
+            mem_prof = memory_profiler.profile_memory(
+                model,
+                batch_size=batch_size,
+                input_shapes=shapes,
+                threads=prof.threads,
+                cache_dir=cache_dir,
+                artifact_cache=cache,
+                frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
+            )
+    memory = None
+    if mem_prof is not None:
+        memory = selection.MemoryCosts.from_profile(
+            mem_prof, memory_mb, resolution_mb=memory_resolution_mb
+        )
+    if data is None:
+        importance = data_free_importance(list(model.tensors))
+        importance_source = "data-free prior: parameter share"
+    else:
+        importance = probe_importance(
+            model,
+            data,
+            batch_size=batch_size,
+            input_shapes=shapes,
+            tokenizer=tokenizer,
+            preprocess=preprocess,
+        )
+        importance_source = f"first-order importance on a probe batch of {data}"
+    time_model = prof.for_frozen_bn(frozen_bn)  # the artifacts' batch-norm mode
+    chosen = selection.select_for_rho(
+        time_model, rho, importance, resolution=resolution, memory=memory
+    )
+    return Plan(
+        model=model,
+        profile=prof,
+        rho=rho,
+        batch_size=batch_size,
+        input_shapes=dict(shapes),
+        mask=np.asarray(chosen.mask, dtype=bool),
+        importance=importance,
+        importance_source=importance_source,
+        preprocess=preprocess,
+        frozen_bn=frozen_bn,
+        data=str(data) if data is not None else None,
+        tokenizer=str(tokenizer) if tokenizer is not None else None,
+        resolution=resolution,
+        memory_profile=mem_prof,
+        memory_mb=memory_mb,
+        memory_resolution_mb=memory_resolution_mb if memory_mb is not None else None,
+        tensor_graph=tensor_graph,
+    )
 
 
 @dataclass
@@ -135,13 +263,9 @@ def compile_model(
     memory_mb: float | None = None,
     memory_resolution_mb: float = 1.0,
 ) -> CompileResult:
-    """Compile ``model_path`` for elastic training at step-time ratio ``rho``.
-
-    Runs import + legalisation, the tensor-graph passes (paper §5), profiling on this device
-    (cached), importance (first-order, paper Eq. 2, on a probe batch of ``data`` when given;
-    otherwise :func:`data_free_importance`), the DP of paper Eq. (3) under
-    ``rho * T_full`` (``Profile.t_full_us``, the time model's full step), and writes ORT
-    training artifacts for the selection.
+    """Compile ``model_path`` into the compiled directory ``out_dir``: :func:`compile`, then
+    :meth:`etgraph.plan.Plan.save`'s work under the directory's lock, the directory checked
+    before any work (``etgraph compile``).
 
     Args:
         model_path: ONNX model (any data inputs; the output trained on ``[B, K]`` logits, or
@@ -183,155 +307,40 @@ def compile_model(
         InfeasibleMemoryError: no selection fits ``memory_mb`` (gives the smallest budget).
         DataError: the probe dataset cannot be loaded.
     """
-    check_rho(rho)
-    check_text_options(data, tokenizer)
-    check_batch_size(batch_size)
-    check_frozen_bn(frozen_bn)
-    preprocess = DEFAULT_PREPROCESS if preprocess is None else preprocess
-    if memory_mb is not None and not 0 < memory_mb < float("inf"):
-        raise ConfigError(f"--memory-mb must be a positive number of MiB, got {memory_mb}")
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
-    out = ensure_writable_dir(out_dir, "-o")
-    check_not_run_dir(out, "-o")
-    sweep_stale_temp_dirs(out)  # what a killed compile left
-
-    check_outputs([out / name for name in COMPILED_OUTPUTS], "-o", inputs=[source, data, tokenizer])
+    _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb)
+    out = prepare_compiled_dir(out_dir, inputs=[source, data, tokenizer])
     # One compile at a time in OUT; built beside it and swapped in only when complete (plan.json
     # last): a failed or killed re-compile leaves the last good one.
-    with exclusive_lock(out, "-o"), staged_directory(out, COMPILED_OUTPUTS, PLAN_FILE) as stage:
-        model = LoadedModel.load(source, output=output, loss=loss)
-        shapes = model.input_shapes(input_shape)
-        with atomic_target(stage / MODEL_FILE) as tmp:
-            onnx.save(model.proto, str(tmp))
-        tensors = list(model.tensors)
-        log.info("%s: %d trainable tensors, inputs %s", source.name, len(tensors), shapes)
-
-        with private_temp_dir("compile") as work:
-            # One cache for the graph and the profiler: the all-trainable artifacts are generated
-            # once and the tensor-graph passes run once.
-            cache = ArtifactCache(work)
-            with exported_batch_hint(model.proto, batch_size):
-                tensor_graph = graph.build_tensor_graph(
-                    model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
-                )
-            prof = profiler.profile_model(
-                model,
-                batch_size=batch_size,
-                input_shapes=shapes,
-                level=profile_level,
-                repeats=repeats,
-                threads=threads,
-                cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
-                tensor_graph=tensor_graph,
-                artifact_cache=cache,
-            )
-            mem_prof: MemoryProfile | None = None
-            if memory_mb is not None:
-                mem_prof = memory_profiler.profile_memory(
-                    model,
-                    batch_size=batch_size,
-                    input_shapes=shapes,
-                    threads=prof.threads,
-                    cache_dir=cache_dir if cache_dir is not None else profile.default_cache_dir(),
-                    artifact_cache=cache,
-                    frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
-                )
-        prof.save(stage / PROFILE_FILE)
-        prof = prof.for_frozen_bn(frozen_bn)  # the time model of the artifacts' batch-norm mode
-        memory = None
-        if mem_prof is not None:
-            mem_prof.save(stage / MEMORY_FILE)
-            memory = selection.MemoryCosts.from_profile(
-                mem_prof, memory_mb, resolution_mb=memory_resolution_mb
-            )
-
-        if data is None:
-            importance = data_free_importance(tensors)
-            importance_source = "data-free prior: parameter share"
-        else:
-            importance = probe_importance(
-                model,
-                data,
-                batch_size=batch_size,
-                input_shapes=shapes,
-                tokenizer=tokenizer,
-                preprocess=preprocess,
-            )
-            importance_source = f"first-order importance on a probe batch of {data}"
-
-        chosen = selection.select_for_rho(
-            prof, rho, importance, resolution=resolution, memory=memory
-        )
-        predicted = prof.predicted_step_us(chosen.mask)
-        memory_parts = mem_prof.parts_mb(chosen.mask) if mem_prof is not None else None
-        trainable, frozen = model.split(chosen.mask)
-        artifacts.generate(
-            model.proto,
-            trainable,
-            frozen,
-            stage / ARTIFACTS_DIR,
-            loss=model.task.loss,
+    with exclusive_lock(out, "-o"):
+        plan = compile(
+            source,
+            rho=rho,
+            batch_size=batch_size,
+            input_shape=input_shape,
+            data=data,
+            tokenizer=tokenizer,
+            output=output,
+            loss=loss,
+            profile_level=profile_level,
+            repeats=repeats,
+            threads=threads,
+            resolution=resolution,
+            cache_dir=cache_dir,
+            preprocess=preprocess,
             frozen_bn=frozen_bn,
-            static_batch=(batch_size, shapes),  # as the profile measured: static shapes
+            memory_mb=memory_mb,
+            memory_resolution_mb=memory_resolution_mb,
         )
-
-        rows = [
-            {
-                "index": t.index,
-                "name": t.name,
-                "kind": t.kind,
-                "t_dw_us": float(dw),
-                "t_dy_us": float(dy),
-                "importance": float(imp),
-                "selected": bool(s),
-            }
-            for t, s, imp, dw, dy in zip(
-                tensors, chosen.mask, importance, prof.t_dw_us, prof.t_dy_us, strict=True
-            )
-        ]
-        columns = ["t_dw_us", "t_dy_us", "importance", "selected"]
-        if mem_prof is not None:  # what each tensor adds, and the workspace if it is the earliest
-            columns += ["tensor_mb", "earliest_mb"]
-            for row, t_mb, e_mb in zip(rows, mem_prof.tensor_mb, mem_prof.earliest_mb, strict=True):
-                row.update({"tensor_mb": float(t_mb), "earliest_mb": float(e_mb)})
-        for row in rows:
-            tensor_graph.nodes[tensor_id(row["name"])].update({k: row[k] for k in columns})
-        for fmt in dumps.GRAPH_FORMATS:
-            dumps.write_graph(tensor_graph, stage / f"graph.{fmt}", fmt)
-
-        plan = {
-            "model": str(source),
-            "model_hash": model.hash,
-            "rho": rho,
-            "batch_size": batch_size,
-            "input_shapes": {name: list(dims) for name, dims in shapes.items()},
-            "task": model.task.to_json(),  # output trained on, loss, K or D; `train OUT` reuses it
-            "forward_us": prof.forward_us,
-            "t_full_us": prof.t_full_us,
-            "measured_full_step_us": prof.measured_full_step_us,
-            "budget_us": timing.budget_us(rho, prof.forward_us, prof.t_full_us),
-            "predicted_step_us": predicted,
-            "memory_mb": memory_mb,  # the peak-memory budget (MiB), None = time only
-            "predicted_peak_mb": None if memory_parts is None else memory_parts["peak_mb"],
-            "memory_parts_mb": memory_parts,  # etgraph.memory.MemoryProfile.parts_mb
-            "memory_resolution_mb": memory_resolution_mb if memory_mb is not None else None,
-            "importance_source": importance_source,
-            "removed_head": model.head,  # restored on the trained model etgraph train exports
-            "resolution": resolution,
-            "preprocess": preprocess.to_json(),  # reused by etgraph train OUT (etgraph.plan)
-            "frozen_bn": frozen_bn,
-            "tensors": rows,
-            "frozen_params": frozen,
-            "trainable_params": trainable,
-        }
-        write_json_atomic(stage / PLAN_FILE, plan)
+        plan.write(out)
+    parts = plan.memory_parts_mb
     return CompileResult(
         out_dir=out,
-        n_tensors=len(tensors),
-        n_selected=len(trainable),
+        n_tensors=len(plan.mask),
+        n_selected=int(plan.mask.sum()),
         rho=rho,
-        predicted_step_us=predicted,
-        t_full_us=prof.t_full_us,
+        predicted_step_us=plan.predicted_step_us,
+        t_full_us=plan.t_full_us,
         memory_mb=memory_mb,
-        predicted_peak_mb=None if memory_parts is None else memory_parts["peak_mb"],
+        predicted_peak_mb=None if parts is None else parts["peak_mb"],
     )

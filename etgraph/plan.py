@@ -1,4 +1,18 @@
-"""The settings a compiled directory's ``plan.json`` hands on to ``etgraph train`` (issue #14).
+"""The compiled plan (:class:`Plan`: what ``etgraph compile`` produces, in memory or as a
+compiled directory) and the settings its ``plan.json`` hands on to ``etgraph train`` (issue #14).
+
+A compiled directory holds::
+
+    OUT/model.onnx          the legalised forward model (what everything else was built from)
+    OUT/graph.json|.graphml|.dot   tensor-level backward graph with timings, importance, selection
+    OUT/profile.json        per-tensor t_dw_us / t_dy_us, forward_us, measured_full_step_us
+    OUT/memory.json         with --memory-mb: the memory model (etgraph.memory.MemoryProfile)
+    OUT/plan.json           the selection: rho, budget, t_full_us, predicted step time, the
+                            per-tensor table, frozen and trainable parameter lists; the
+                            model's input normalisation (``preprocess``), the frozen batch-norm
+                            mode (``frozen_bn``) and the data it was compiled with, reused by
+                            ``etgraph train OUT``
+    OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
 
 ``etgraph compile`` records the model's input normalisation (``preprocess``,
 :class:`etgraph.data.Preprocess`) and the frozen batch-norm mode (``frozen_bn``,
@@ -13,21 +27,49 @@ Kept apart from :mod:`etgraph.pipeline` so ``etgraph train`` does not import the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
+import onnx
 
 from passes.onnx import DEFAULT_FROZEN_BN
 
+from . import timing
 from .artifacts import check_frozen_bn
-from .data import Preprocess, make_preprocess
-from .files import read_json
+from .config import TrainConfig
+from .data import DEFAULT_PREPROCESS, Preprocess, make_preprocess
+from .errors import ConfigError, ModelError
+from .files import (
+    atomic_target,
+    check_outputs,
+    ensure_writable_dir,
+    exclusive_lock,
+    read_json,
+    staged_directory,
+    sweep_stale_temp_dirs,
+    write_json_atomic,
+)
+from .memory import MemoryProfile
+from .model import LoadedModel
+from .profile import Profile
+from .rundir import check_not_run_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PLAN_FILE", "read_plan", "train_settings"]
+__all__ = ["COMPILED_OUTPUTS", "PLAN_FILE", "Plan", "read_plan", "train_settings"]
 
 PLAN_FILE = "plan.json"
+PROFILE_FILE = "profile.json"
+MEMORY_FILE = "memory.json"
+MODEL_FILE = "model.onnx"
+ARTIFACTS_DIR = "artifacts"
+GRAPH_FILES = ("graph.json", "graph.graphml", "graph.dot")  # etgraph.dumps.GRAPH_FORMATS
+#: Every entry of a compiled directory (module docstring); plan.json says it is complete.
+COMPILED_OUTPUTS = (MODEL_FILE, PROFILE_FILE, MEMORY_FILE, *GRAPH_FILES, ARTIFACTS_DIR, PLAN_FILE)
 
 
 def read_plan(directory: str | os.PathLike) -> dict | None:
@@ -93,3 +135,292 @@ def train_settings(
 
 def _values(p: Preprocess) -> tuple:
     return (p.mean, p.std, p.scale, p.channel_order)
+
+
+@dataclass
+class Plan:
+    """A compiled model: the selection of paper Eq. (3) at ``rho`` with everything that made it
+    (:func:`etgraph.pipeline.compile`), in memory; :meth:`save` writes it as a compiled
+    directory (the module docstring), :meth:`load` reads one back.
+
+    Attributes:
+        model: the legalised model (:class:`etgraph.model.LoadedModel`).
+        profile: its profile on this device (both batch-norm modes; :attr:`time_model` is the
+            one of ``frozen_bn``).
+        rho: the requested step-time ratio, in (0, 1].
+        batch_size: the batch the profile and the artifacts are for.
+        input_shapes: per-example shape of each input, by input name.
+        mask: the selection mask, bool [N], forward order (:attr:`LoadedModel.names`).
+        importance: float64 [N] the selection maximised (paper Eq. 2, or the data-free prior).
+        importance_source: where ``importance`` came from (one line).
+        preprocess: the model's input normalisation for image folders.
+        frozen_bn: how unselected batch norms run (``"inference"`` or ``"train"``).
+        data, tokenizer: the data it was compiled with (a spec; None: none given) and the text
+            tokenizer; ``etgraph train DIR`` uses them unless told otherwise.
+        resolution: the DP's time resolution ``T_q`` (None: exact µs).
+        memory_profile, memory_mb, memory_resolution_mb: the memory model, the peak-memory
+            budget (MiB) and the DP's memory unit (None: time budget only).
+        tensor_graph: the tensor-level backward graph (networkx) with the plan's attributes, for
+            the dumps; None for a plan loaded from a directory (its dumps are there).
+    """
+
+    model: LoadedModel
+    profile: Profile
+    rho: float
+    batch_size: int
+    input_shapes: dict[str, tuple[int, ...]]
+    mask: np.ndarray
+    importance: np.ndarray
+    importance_source: str = ""
+    preprocess: Preprocess = DEFAULT_PREPROCESS
+    frozen_bn: str = DEFAULT_FROZEN_BN
+    data: str | None = None
+    tokenizer: str | None = None
+    resolution: int | None = None
+    memory_profile: MemoryProfile | None = None
+    memory_mb: float | None = None
+    memory_resolution_mb: float | None = None
+    tensor_graph: object | None = field(default=None, repr=False)
+
+    @property
+    def time_model(self) -> Profile:
+        """The profile of the artifacts' batch-norm mode (:meth:`Profile.for_frozen_bn`)."""
+        return self.profile.for_frozen_bn(self.frozen_bn)
+
+    @property
+    def trainable(self) -> list[str]:
+        """The selected tensors' initializer names (``requires_grad``), forward order."""
+        return self.model.split(self.mask)[0]
+
+    @property
+    def frozen(self) -> list[str]:
+        """Every other parameter (``frozen_params``): unselected tensors, running statistics."""
+        return self.model.split(self.mask)[1]
+
+    @property
+    def predicted_step_us(self) -> float:
+        """The time model's training step of the selection, µs (paper §2.2)."""
+        return self.time_model.predicted_step_us(self.mask)
+
+    @property
+    def t_full_us(self) -> float:
+        """The time model's full training step (every tensor), µs."""
+        return self.time_model.t_full_us
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Full step over the selection's step, both predicted by the time model."""
+        return self.t_full_us / self.predicted_step_us
+
+    @property
+    def memory_parts_mb(self) -> dict | None:
+        """The memory model's peak of the selection and its parts, MiB (None: no budget)."""
+        if self.memory_profile is None:
+            return None
+        return self.memory_profile.parts_mb(self.mask)
+
+    def train_config(self, **settings) -> TrainConfig:
+        """A :class:`etgraph.config.TrainConfig` for this plan: its rho, batch size,
+        preprocessing, batch-norm mode, data and tokenizer, overridden by ``settings``.
+
+        Raises:
+            ConfigError: a setting is out of range (:meth:`TrainConfig.validate`).
+        """
+        base = dict(
+            rho=self.rho,
+            batch_size=self.batch_size,
+            preprocess=self.preprocess,
+            frozen_bn=self.frozen_bn,
+            data=self.data,
+            tokenizer=self.tokenizer,
+        )
+        return TrainConfig(**{**base, **settings}).validate()
+
+    def trainer(self, config: TrainConfig | None = None, **kwargs):
+        """An :class:`etgraph.trainer.ElasticTrainer` of this plan's model and profile
+        (``config`` default: :meth:`train_config`); keyword arguments as the trainer's."""
+        from .trainer import ElasticTrainer  # ORT training: only when training
+
+        return ElasticTrainer(
+            self.model,
+            self.profile,
+            config if config is not None else self.train_config(),
+            memory_profile=self.memory_profile,
+            **kwargs,
+        )
+
+    def to_json(self) -> dict:
+        """``plan.json``: the settings, the time model's figures and the per-tensor table."""
+        prof, model = self.time_model, self.model
+        parts = self.memory_parts_mb
+        rows = [
+            {
+                "index": t.index,
+                "name": t.name,
+                "kind": t.kind,
+                "t_dw_us": float(dw),
+                "t_dy_us": float(dy),
+                "importance": float(imp),
+                "selected": bool(s),
+            }
+            for t, s, imp, dw, dy in zip(
+                model.tensors, self.mask, self.importance, prof.t_dw_us, prof.t_dy_us, strict=True
+            )
+        ]
+        if self.memory_profile is not None:  # what each tensor adds, and its workspace
+            mp = self.memory_profile
+            for row, t_mb, e_mb in zip(rows, mp.tensor_mb, mp.earliest_mb, strict=True):
+                row.update({"tensor_mb": float(t_mb), "earliest_mb": float(e_mb)})
+        trainable, frozen = model.split(self.mask)
+        return {
+            "model": str(model.source),
+            "model_hash": model.hash,
+            "rho": self.rho,
+            "batch_size": self.batch_size,
+            "input_shapes": {name: list(dims) for name, dims in self.input_shapes.items()},
+            "task": model.task.to_json(),  # output trained on, loss, K or D; `train OUT` reuses it
+            "forward_us": prof.forward_us,
+            "t_full_us": prof.t_full_us,
+            "measured_full_step_us": prof.measured_full_step_us,
+            "budget_us": timing.budget_us(self.rho, prof.forward_us, prof.t_full_us),
+            "predicted_step_us": self.predicted_step_us,
+            "memory_mb": self.memory_mb,  # the peak-memory budget (MiB), None = time only
+            "predicted_peak_mb": None if parts is None else parts["peak_mb"],
+            "memory_parts_mb": parts,  # etgraph.memory.MemoryProfile.parts_mb
+            "memory_resolution_mb": self.memory_resolution_mb,
+            "importance_source": self.importance_source,
+            "removed_head": model.head,  # restored on the trained model etgraph train exports
+            "resolution": self.resolution,
+            "preprocess": self.preprocess.to_json(),  # reused by etgraph train OUT
+            "frozen_bn": self.frozen_bn,
+            "data": self.data,  # the data compiled with: etgraph train OUT's default
+            "tokenizer": self.tokenizer,
+            "tensors": rows,
+            "frozen_params": frozen,
+            "trainable_params": trainable,
+        }
+
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        """Write the compiled directory ``out_dir`` (module docstring; created): built beside
+        its entries and swapped in only when complete (``plan.json`` last), under an exclusive
+        lock, so a failed or killed save leaves the last good compile.
+
+        Raises:
+            ConfigError: ``out_dir`` cannot be written, holds a training run, another process
+                holds it, or an entry would replace a special file or one of the plan's inputs.
+            ModelError: the selection's artifacts cannot be generated.
+        """
+        out = prepare_compiled_dir(out_dir, inputs=[self.model.source, self.data, self.tokenizer])
+        with exclusive_lock(out, "-o"):
+            self.write(out)
+        return out
+
+    def write(self, out: Path) -> None:
+        """:meth:`save`'s work into ``out`` (checked by :func:`prepare_compiled_dir`, its lock
+        held by the caller)."""
+        from . import artifacts, dumps  # the generator and networkx: only when writing
+
+        with staged_directory(out, COMPILED_OUTPUTS, PLAN_FILE) as stage:
+            with atomic_target(stage / MODEL_FILE) as tmp:
+                onnx.save(self.model.proto, str(tmp))
+            self.profile.save(stage / PROFILE_FILE)
+            if self.memory_profile is not None:
+                self.memory_profile.save(stage / MEMORY_FILE)
+            artifacts.generate(
+                self.model.proto,
+                self.trainable,
+                self.frozen,
+                stage / ARTIFACTS_DIR,
+                loss=self.model.task.loss,
+                frozen_bn=self.frozen_bn,
+                static_batch=(self.batch_size, self.input_shapes),  # as the profile measured
+            )
+            plan = self.to_json()
+            graph = self.tensor_graph
+            if graph is not None:
+                from passes.layout import tensor_id
+
+                columns = ("t_dw_us", "t_dy_us", "importance", "selected")
+                columns += ("tensor_mb", "earliest_mb")
+                for row in plan["tensors"]:  # the plan's attributes on the tensor nodes
+                    node = graph.nodes[tensor_id(row["name"])]
+                    node.update({k: row[k] for k in columns if k in row})
+                for fmt in dumps.GRAPH_FORMATS:
+                    dumps.write_graph(graph, stage / f"graph.{fmt}", fmt)
+            else:  # a loaded plan: the dumps of the directory it was loaded from
+                for name in GRAPH_FILES:
+                    if (self.model.source.parent / name).is_file():
+                        (stage / name).write_bytes((self.model.source.parent / name).read_bytes())
+            write_json_atomic(stage / PLAN_FILE, plan)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Plan:
+        """Read the compiled directory ``directory`` (:meth:`save`'s).
+
+        Raises:
+            ModelError: not a compiled directory, or an unfinished compile (no ``plan.json``).
+            ConfigError, ProfileMismatchError: its files are unreadable or do not belong
+                together.
+        """
+        source = Path(directory)
+        if not (source / MODEL_FILE).is_file():
+            raise ModelError(
+                f"{source} is not a compiled directory (no {MODEL_FILE}): pass an ONNX file, or "
+                f"compile one into it with etgraph compile MODEL -o {source}"
+            )
+        plan = read_plan(source)
+        if plan is None:  # written last by compile
+            raise ModelError(
+                f"{source} is an unfinished compile (no {PLAN_FILE}): compile again with "
+                f"etgraph compile MODEL -o {source}"
+            )
+        profile = Profile.load(source / PROFILE_FILE)
+        model = LoadedModel.load(source / MODEL_FILE, loss=profile.loss)
+        try:
+            selected = np.array([bool(r["selected"]) for r in plan["tensors"]])
+            importance = np.array([float(r["importance"]) for r in plan["tensors"]])
+            memory_file = source / MEMORY_FILE
+            return cls(
+                model=model,
+                profile=profile,
+                rho=float(plan["rho"]),
+                batch_size=int(plan["batch_size"]),
+                input_shapes={k: tuple(v) for k, v in plan["input_shapes"].items()},
+                mask=selected,
+                importance=importance,
+                importance_source=plan.get("importance_source", ""),
+                preprocess=Preprocess.from_json(plan["preprocess"])
+                if plan.get("preprocess")
+                else DEFAULT_PREPROCESS,
+                frozen_bn=plan.get("frozen_bn") or DEFAULT_FROZEN_BN,
+                data=plan.get("data"),
+                tokenizer=plan.get("tokenizer"),
+                resolution=plan.get("resolution"),
+                memory_profile=MemoryProfile.load(memory_file) if memory_file.is_file() else None,
+                memory_mb=plan.get("memory_mb"),
+                memory_resolution_mb=plan.get("memory_resolution_mb"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{source / PLAN_FILE} is incomplete ({type(exc).__name__}: {exc}): compile the "
+                "model again with etgraph compile"
+            ) from exc
+
+    def replace(self, **changes) -> Plan:
+        """A copy with ``changes`` (dataclasses.replace)."""
+        return dataclasses.replace(self, **changes)
+
+
+def prepare_compiled_dir(out_dir: str | os.PathLike, *, inputs=()) -> Path:
+    """Check, before any work, that a compiled directory can be written at ``out_dir``
+    (created): writable, not a training run, no entry a special file or one of ``inputs``;
+    stale temporaries of killed compiles are swept.
+
+    Raises:
+        ConfigError: naming the path and ``-o``.
+    """
+    out = ensure_writable_dir(out_dir, "-o")
+    check_not_run_dir(out, "-o")
+    sweep_stale_temp_dirs(out)  # what a killed compile left
+    check_outputs([out / name for name in COMPILED_OUTPUTS], "-o", inputs=inputs)
+    return out
