@@ -224,6 +224,34 @@ def _model_input_options(command):
     return command
 
 
+def _set_verbose(ctx: click.Context, param, value: bool) -> bool:
+    if value:  # as the group's -v: progress logs
+        logging.getLogger().setLevel(logging.INFO)
+    return value
+
+
+def _progress(quiet: bool, verbose: bool):
+    """Where a command's progress lines go: stderr at a terminal (or with -v), nowhere with -q
+    or when stderr is a file or pipe (its one-line errors stay one line there)."""
+    if quiet or not (verbose or sys.stderr.isatty()):
+        return None
+    return lambda line: click.echo(line, err=True)
+
+
+def _verbosity_options(command):
+    """``-q/--quiet`` and ``-v/--verbose``, on every command."""
+    command = click.option(
+        "-v",
+        "--verbose",
+        is_flag=True,
+        callback=_set_verbose,
+        help="Show progress logs of every stage.",
+    )(command)
+    return click.option(
+        "-q", "--quiet", is_flag=True, help="No progress lines or bars (results and errors only)."
+    )(command)
+
+
 # [inspect]
 
 
@@ -238,6 +266,7 @@ def _model_input_options(command):
     help="Graph dump format(s) to write.",
 )
 @click.option(
+    "-o",
     "--out",
     "out_dir",
     default=None,
@@ -248,6 +277,7 @@ def _model_input_options(command):
 @click.option("--passes", "show_passes", is_flag=True, help="Print the pass pipeline and exit.")
 @_output_option
 @_loss_option
+@_verbosity_options
 def inspect_command(
     target: str | None,
     fmt: str,
@@ -256,9 +286,12 @@ def inspect_command(
     show_passes: bool,
     model_output: str | None,
     loss: str | None,
+    quiet: bool,
+    verbose: bool,
 ) -> None:
-    """Print the tensor table of TARGET (an .onnx model or a compiled directory) and write the
-    tensor-level backward graph (JSON node-link, GraphML, DOT)."""
+    """Print the tensor table of TARGET (an .onnx model, or a compiled directory: what
+    `etgraph train DIR` trains) and write the tensor-level backward graph (JSON node-link,
+    GraphML, DOT; the tensor chain as a picture with --render)."""
     from passes import describe_pipeline, tensor_graph_pipeline
     from passes.onnx import eval_model_pipeline, legalization_pipeline, training_model_pipeline
 
@@ -342,6 +375,7 @@ def inspect_command(
     show_default=True,
     help="Time real steps by wall clock, or by CPU time (needs --threads 1; shared machines).",
 )
+@_verbosity_options
 def profile_command(
     model,
     batch_size,
@@ -356,8 +390,12 @@ def profile_command(
     cache_dir,
     no_cache,
     clock,
+    quiet,
+    verbose,
 ):
-    """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5)."""
+    """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5).
+    `etgraph compile` profiles too (cached) and `etgraph train DIR` reuses a compiled
+    directory's profile: run this one to inspect or share a profile."""
     from .files import ensure_writable_file
     from .model import LoadedModel, parse_input_shapes
     from .profile import default_cache_dir, format_shapes
@@ -397,7 +435,13 @@ def profile_command(
             f"  check {name:<11} measured {check['measured_us'] / 1e3:8.1f} ms  "
             f"predicted {check['predicted_us'] / 1e3:8.1f} ms  ({err:+.1f}%)"
         )
-    click.echo(f"wrote {path} (profiling took {prof.profiling_s:.1f} s)")
+    if prof.cached_from:  # nothing was measured in this process
+        click.echo(
+            f"wrote {path} (from the profile cache {prof.cached_from}, measured earlier in "
+            f"{prof.profiling_s:.1f} s; --no-cache measures again)"
+        )
+    else:
+        click.echo(f"wrote {path} (profiling took {prof.profiling_s:.1f} s)")
 
 
 # [compile]
@@ -452,6 +496,7 @@ def profile_command(
     "[none: time budget only].",
 )
 @_model_input_options
+@_verbosity_options
 def compile_command(
     model,
     out_dir,
@@ -473,10 +518,12 @@ def compile_command(
     channel_order,
     frozen_bn,
     memory_mb,
+    quiet,
+    verbose,
 ) -> None:
     """Compile MODEL (default: the embedded pretrained CNN) for elastic training: tensor graph,
     profile, DP selection under rho * T_full (and a peak-memory budget with --memory-mb), and
-    ONNX Runtime training artifacts in OUT."""
+    ONNX Runtime training artifacts in OUT; then `etgraph train OUT` trains it."""
     from .pipeline import compile_model
     from .plan import train_settings
 
@@ -506,6 +553,7 @@ def compile_command(
         preprocess=preprocess,
         frozen_bn=frozen_bn,
         memory_mb=memory_mb,
+        progress=_progress(quiet, verbose),
     )
     budget = "" if memory_mb is None else f" and {memory_mb:g} MiB"
     click.echo(
@@ -532,7 +580,7 @@ def compile_command(
     default=None,
     help="Dataset: 'digits' (embedded), an image-folder dir, FILE.npz (one array per model "
     "input, keyed by input name, + labels) or FILE.csv|FILE.jsonl (text, label; with "
-    "--tokenizer).",
+    "--tokenizer) [digits; train DIR: the data DIR was compiled with].",
 )
 @_tokenizer_option
 @click.option("--epochs", default=12, show_default=True, type=int, help="Training epochs.")
@@ -557,6 +605,7 @@ def compile_command(
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
 @click.option(
+    "-o",
     "--out",
     "out",
     default=None,
@@ -600,133 +649,58 @@ def compile_command(
     type=click.Choice(["auto", "off", "on", "on+stop"]),
     help="ORT thread-pool spinning of the training sessions (auto: measured at the start).",
 )
-@click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @_model_input_options
+@_verbosity_options
 @click.pass_context
-def train_command(
-    ctx: click.Context,
-    model,
-    data,
-    tokenizer,
-    epochs,
-    batch_size,
-    lr,
-    weight_decay,
-    rho,
-    period,
-    strategy,
-    seed,
-    out,
-    resume_dir,
-    profile_path,
-    profile_level,
-    input_shape,
-    model_output,
-    loss,
-    threads,
-    max_steps_per_epoch,
-    max_val_batches,
-    probe_batches,
-    open_loop,
-    deadline,
-    memory_mb,
-    spinning,
-    quiet,
-    preset,
-    mean,
-    std,
-    scale,
-    channel_order,
-    frozen_bn,
-):
-    """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
-    and digits data) with elastic tensor selection, re-selecting every --period epochs."""
-    from .config import TrainConfig
+def train_command(ctx: click.Context, model, **opts):
+    """Train MODEL (an `etgraph compile` directory, an ONNX file, or by default the embedded
+    model and digits data) with elastic tensor selection, re-selecting every --period epochs;
+    a compiled directory gives its rho, batch size, preprocessing and data unless told
+    otherwise. `--resume DIR` continues an interrupted run, or extends a finished one with a
+    larger --epochs."""
     from .loop import resume, train
-    from .plan import read_plan, train_settings
     from .rundir import format_summary
     from .trainer import load_run_data
 
-    if resume_dir is not None:
-        given = [  # everything but --resume and --quiet is the run's configuration
-            param.opts[0] if param.opts[0].startswith("-") else param.opts[0].upper()
-            for param in ctx.command.params
-            if param.name not in ("resume_dir", "quiet")
-            and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
-        ]
+    progress = not opts["quiet"]
+    if opts["resume_dir"] is not None:
+        given = _given_options(ctx, allowed=("resume_dir", "quiet", "verbose", "epochs"))
         if given:
             raise ConfigError(
                 f"--resume DIR continues a run as configured: drop {', '.join(given)} (or start "
                 "a new run with another --out)"
             )
-        result = resume(resume_dir, progress=not quiet)
-        click.echo(format_summary(result))
+        epochs = opts["epochs"] if _given(ctx, "epochs") else None
+        click.echo(format_summary(resume(opts["resume_dir"], progress=progress, epochs=epochs)))
         return
-    if out is None:
+    if opts["out"] is None:
         raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
-    plan = read_plan(model) if model is not None and Path(model).is_dir() else None
-    rho = rho if rho is not None else (plan or {}).get("rho", 0.5)
-    batch_size = batch_size if batch_size is not None else (plan or {}).get("batch_size", 4)
-    preprocess, frozen_bn = train_settings(
-        plan,
-        preset=preset,
-        mean=mean,
-        std=std,
-        scale=scale,
-        channel_order=channel_order,
-        frozen_bn=frozen_bn,
-    )
-    from .text import check_text_options
-
-    check_text_options(data, tokenizer)  # before the model is profiled
-    loaded, profile = _train_model(model, profile_path, input_shape or None, model_output, loss)
-    config = TrainConfig(
-        epochs=epochs,
-        batch_size=batch_size,
-        learning_rate=lr,
-        weight_decay=weight_decay,
-        rho=rho,
-        period=period,
-        strategy=strategy,
-        seed=seed,
-        data=data,
-        tokenizer=tokenizer,
-        probe_batches=probe_batches,
-        max_steps_per_epoch=max_steps_per_epoch,
-        max_val_batches=max_val_batches,
-        threads=threads,
-        frozen_bn=frozen_bn,
-        preprocess=preprocess,
-        closed_loop=not open_loop,
-        deadline_s=parse_duration(deadline) if deadline is not None else None,
-        memory_mb=memory_mb,
-        spinning=spinning,
-    ).validate()  # before anything is measured
+    plan = _compiled_plan(model)
+    config = _train_config(plan, opts)  # validated before anything is measured
+    loaded, profile = _train_model(model, plan, opts)
     # The data before the model is profiled: a data error must not wait for profiling.
-    shapes = profile.input_shapes if profile is not None else input_shape or None
+    shapes = profile.input_shapes if profile is not None else opts["input_shape"] or None
     dataset = load_run_data(config, loaded, loaded.input_shapes(shapes))
     if profile is None:
-        from .profile import default_cache_dir
-        from .profiler import profile_model  # only when profiling: scipy's optimizer is 38 MiB
+        from .api import profile_model
 
         click.echo(f"profiling {loaded.source.name} on this device (cached) ...", err=True)
         profile = profile_model(
             loaded,
-            batch_size=batch_size,
-            input_shapes=input_shape or None,
-            level=profile_level,
-            threads=threads,
-            cache_dir=default_cache_dir(),
+            batch_size=config.batch_size,
+            input_shape=opts["input_shape"] or None,
+            level=opts["profile_level"],
+            threads=opts["threads"],
         )
-    memory_profile = _memory_inputs(model, loaded, profile, memory_mb, frozen_bn)
+    memory_profile = _memory_inputs(plan, loaded, profile, config)
     held = [loaded]  # handed over, not kept: under --memory-mb train() drops the weights
     del loaded
     result = train(
         held.pop(),
         profile,
         config,
-        out,
-        progress=not quiet,
+        opts["out"],
+        progress=progress,
         started_at=_STARTED,
         memory_profile=memory_profile,
         dataset=dataset,
@@ -734,29 +708,107 @@ def train_command(
     click.echo(format_summary(result))
 
 
-def _memory_inputs(model, loaded, profile, memory_mb, frozen_bn):
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` was given on the command line."""
+    return ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+
+
+def _given_options(ctx: click.Context, allowed: tuple[str, ...]) -> list[str]:
+    """The options given on the command line outside ``allowed``, as spelled in --help."""
+    return [
+        param.opts[0] if param.opts[0].startswith("-") else param.opts[0].upper()
+        for param in ctx.command.params
+        if param.name not in allowed and _given(ctx, param.name)
+    ]
+
+
+def _compiled_plan(model):
+    """The plan of a compiled directory ``model`` (:meth:`etgraph.plan.Plan.load`), else None."""
+    from .plan import Plan
+
+    return Plan.load(model) if model is not None and Path(model).is_dir() else None
+
+
+def _train_config(plan, opts: dict):
+    """The run's :class:`etgraph.config.TrainConfig` from the options, the compiled plan's
+    settings where an option was not given (rho, batch size, preprocessing, batch-norm mode,
+    data and tokenizer)."""
+    from .config import TrainConfig
+    from .plan import train_settings
+    from .text import check_text_options
+
+    preprocess, frozen_bn = train_settings(
+        None if plan is None else plan.to_json(),
+        preset=opts["preset"],
+        mean=opts["mean"],
+        std=opts["std"],
+        scale=opts["scale"],
+        channel_order=opts["channel_order"],
+        frozen_bn=opts["frozen_bn"],
+    )
+    data, tokenizer = opts["data"], opts["tokenizer"]
+    if data is None and plan is not None and plan.data is not None:  # the compiled data
+        data, tokenizer = plan.data, tokenizer or plan.tokenizer
+        click.echo(f"training on the data {model_name(plan)} was compiled with: {data}", err=True)
+    check_text_options(data, tokenizer)  # before the model is profiled
+    deadline = opts["deadline"]
+    return TrainConfig(
+        epochs=opts["epochs"],
+        batch_size=_or_plan(opts["batch_size"], plan, "batch_size", 4),
+        learning_rate=opts["lr"],
+        weight_decay=opts["weight_decay"],
+        rho=_or_plan(opts["rho"], plan, "rho", 0.5),
+        period=opts["period"],
+        strategy=opts["strategy"],
+        seed=opts["seed"],
+        data=data,
+        tokenizer=tokenizer,
+        probe_batches=opts["probe_batches"],
+        max_steps_per_epoch=opts["max_steps_per_epoch"],
+        max_val_batches=opts["max_val_batches"],
+        threads=opts["threads"],
+        frozen_bn=frozen_bn,
+        preprocess=preprocess,
+        closed_loop=not opts["open_loop"],
+        deadline_s=parse_duration(deadline) if deadline is not None else None,
+        memory_mb=opts["memory_mb"],
+        spinning=opts["spinning"],
+    ).validate()
+
+
+def _or_plan(given, plan, field: str, default):
+    """An option's value: as given, else the compiled plan's, else the default."""
+    if given is not None:
+        return given
+    return getattr(plan, field) if plan is not None else default
+
+
+def model_name(plan) -> str:
+    """The compiled directory a plan was loaded from."""
+    return str(plan.model.source.parent)
+
+
+def _memory_inputs(plan, loaded, profile, config):
     """The memory model for `etgraph train`: a compiled directory's ``memory.json`` if it was
     measured in the run's batch-norm mode, else (with --memory-mb) measured on this device in
     that mode (cached), else None."""
-    from .memory import MemoryProfile
     from .memory_profiler import image_input_shape, profile_memory
     from .profile import default_cache_dir
 
-    compiled = Path(model) / "memory.json" if model is not None else None
-    if compiled is not None and compiled.is_file():
-        memory_profile = MemoryProfile.load(compiled)
+    compiled = plan.memory_profile if plan is not None else None
+    if compiled is not None:
         try:
-            memory_profile.check_matches(
+            compiled.check_matches(
                 loaded.hash,
                 batch_size=profile.batch_size,
                 input_shape=image_input_shape(loaded, profile.input_shapes),
                 threads=profile.threads,
             )
         except ProfileMismatchError as exc:  # name the file to delete
-            raise ProfileMismatchError(f"{compiled}: {exc}") from exc
-        if memory_profile.frozen_bn == frozen_bn:
-            return memory_profile
-    if memory_mb is None:
+            raise ProfileMismatchError(f"{model_name(plan)}/memory.json: {exc}") from exc
+        if compiled.frozen_bn == config.frozen_bn:
+            return compiled
+    if config.memory_mb is None:
         return None
     click.echo("measuring the memory model on this device (cached) ...", err=True)
     return profile_memory(
@@ -765,7 +817,7 @@ def _memory_inputs(model, loaded, profile, memory_mb, frozen_bn):
         input_shapes=profile.input_shapes,
         threads=profile.threads,
         cache_dir=default_cache_dir(),
-        frozen_bn=frozen_bn,
+        frozen_bn=config.frozen_bn,
     )
 
 
@@ -789,55 +841,39 @@ def parse_duration(text: str) -> float:
     return value
 
 
-def _train_model(model, profile_path, input_shape, output, loss):
-    """(LoadedModel, Profile or None) for `etgraph train`: compiled dir, ONNX file or the
-    default. The model is loaded here, once, and handed to the whole run. A compiled
-    directory's model has one output; its loss is the one it was compiled for (its profile's).
-    The profile is the given or compiled one; None = measure it (after the data is loaded)."""
-    from .data import DEFAULT_MODEL_PATH
-    from .model import LoadedModel, parse_input_shapes
-    from .plan import PLAN_FILE
+def _train_model(model, plan, opts: dict):
+    """(LoadedModel, Profile or None) for `etgraph train`: a compiled directory's (its model
+    has one output; its loss is the one it was compiled for), an ONNX file or the default. The
+    profile is the given or compiled one; None = measure it (after the data is loaded)."""
+    from .api import load_model
+    from .model import parse_input_shapes
     from .profile import Profile, format_shapes
 
+    input_shape, loss = opts["input_shape"] or None, opts["loss"]
+    profile_path = opts["profile_path"]
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
-    source = Path(model) if model is not None else Path(DEFAULT_MODEL_PATH)
     remedy = "re-profile with --input-shape or drop --profile"  # what to do on a shape mismatch
-    compiled_loss = None
-    if source.is_dir():
-        if not (source / "model.onnx").is_file():
-            raise ModelError(
-                f"{source} is not a compiled directory (no model.onnx): pass an ONNX file, or "
-                f"compile one into it with etgraph compile MODEL -o {source}"
-            )
-        if not (source / PLAN_FILE).is_file():  # written last by compile
-            raise ModelError(
-                f"{source} is an unfinished compile (no {PLAN_FILE}): compile again with "
-                f"etgraph compile MODEL -o {source}"
-            )
-        if (source / "profile.json").is_file():
-            compiled_loss = Profile.load(source / "profile.json").loss
-            if profile_path is None:
-                profile_path = source / "profile.json"
-                remedy = "compile again with --input-shape, or drop --input-shape"
-        if compiled_loss is not None and loss is not None and loss != compiled_loss:
+    if plan is not None:
+        if loss is not None and loss != plan.model.task.loss:
             raise ConfigError(
-                f"{source} was compiled for --loss {compiled_loss}, not {loss}: compile again "
-                f"with --loss {loss}, or drop --loss"
+                f"{model} was compiled for --loss {plan.model.task.loss}, not {loss}: compile "
+                f"again with --loss {loss}, or drop --loss"
             )
-        output = None  # the compiled model keeps only the output it was compiled for
-        source = source / "model.onnx"
-    elif not source.is_file():
-        raise ModelError(f"model {source} does not exist: pass an ONNX file or compiled dir")
-    loaded = LoadedModel.load(source, output=output, loss=loss or compiled_loss or "ce")
-    if profile_path is not None:
-        profile = Profile.load(profile_path)
-        if input_shape:
-            shapes = loaded.input_shapes(input_shape)
-            if format_shapes(shapes) != format_shapes(profile.input_shapes):
-                raise ProfileMismatchError(
-                    f"profile {profile_path} was measured at input shape "
-                    f"{format_shapes(profile.input_shapes)}, not {format_shapes(shapes)}: "
-                    f"{remedy}"
-                )
-        return loaded, profile
-    return loaded, None
+        loaded, profile = plan.model, plan.profile
+        remedy = "compile again with --input-shape, or drop --input-shape"
+        if profile_path is not None:
+            profile = Profile.load(profile_path)
+    else:
+        if model is not None and not Path(model).is_file():
+            raise ModelError(f"model {model} does not exist: pass an ONNX file or compiled dir")
+        loaded = load_model(model, output=opts["model_output"], loss=loss or "ce")
+        profile = Profile.load(profile_path) if profile_path is not None else None
+    if profile is not None and input_shape:
+        shapes = loaded.input_shapes(input_shape)
+        if format_shapes(shapes) != format_shapes(profile.input_shapes):
+            raise ProfileMismatchError(
+                f"profile {profile_path or Path(model) / 'profile.json'} was measured at input "
+                f"shape {format_shapes(profile.input_shapes)}, not {format_shapes(shapes)}: "
+                f"{remedy}"
+            )
+    return loaded, profile

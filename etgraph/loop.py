@@ -79,11 +79,13 @@ def train(
 
 
 @locked(new=False)
-def resume(out_dir: str | os.PathLike, *, progress: bool = True) -> TrainResult:
+def resume(
+    out_dir: str | os.PathLike, *, progress: bool = True, epochs: int | None = None
+) -> TrainResult:
     """Continue the run in ``out_dir`` from its last checkpoint (:meth:`ElasticTrainer.resume`)
-    to its end.
+    to its end — or, with ``epochs`` above the run's, extend a run to that many epochs.
 
     Raises:
         As :meth:`ElasticTrainer.resume` and :meth:`ElasticTrainer.fit`.
     """
-    return ElasticTrainer.resume(out_dir, progress=progress).fit()
+    return ElasticTrainer.resume(out_dir, progress=progress, epochs=epochs).fit()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +77,14 @@ def _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb) -> N
         raise ConfigError(f"--memory-mb must be a positive number of MiB, got {memory_mb}")
 
 
+def _recorded(spec) -> str | None:
+    """A data or tokenizer spec as the plan records it: a path made absolute (``etgraph train
+    DIR`` may run elsewhere), ``digits`` as is."""
+    if spec is None:
+        return None
+    return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+
+
 def compile(  # noqa: A001 (the API's verb, as torch.compile)
     model: LoadedModel | str | os.PathLike | onnx.ModelProto | None = None,
     *,
@@ -94,6 +104,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
     frozen_bn: str = DEFAULT_FROZEN_BN,
     memory_mb: float | None = None,
     memory_resolution_mb: float = 1.0,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Compile a model for elastic training at step-time ratio ``rho``, in memory.
 
@@ -130,6 +141,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
             measured (:func:`etgraph.memory_profiler.profile_memory`, cached beside the
             profiles) and the DP selects under both budgets. None = time budget only.
         memory_resolution_mb: the DP's memory unit, MiB.
+        progress: called with one line per stage as it starts (a command's progress output).
 
     Returns:
         A :class:`etgraph.plan.Plan`.
@@ -142,10 +154,12 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         DataError: the probe dataset cannot be loaded.
     """
     _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb)
+    say = progress or (lambda line: None)
     preprocess = DEFAULT_PREPROCESS if preprocess is None else preprocess
     if not isinstance(model, LoadedModel):
         from .api import load_model
 
+        say(f"loading {model if model is not None else 'the embedded default model'}")
         model = load_model(model, output=output, loss=loss)
     shapes = model.input_shapes(input_shape)
     cache_dir = cache_dir if cache_dir is not None else profile.default_cache_dir()
@@ -154,10 +168,12 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         # One cache for the graph and the profiler: the all-trainable artifacts are generated
         # once and the tensor-graph passes run once.
         cache = ArtifactCache(work)
+        say(f"building the tensor graph of {len(model.tensors)} tensors")
         with exported_batch_hint(model.proto, batch_size):
             tensor_graph = graph.build_tensor_graph(
                 model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
             )
+        say("profiling the backward pass on this device (cached)")
         prof = profiler.profile_model(
             model,
             batch_size=batch_size,
@@ -169,8 +185,11 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
             tensor_graph=tensor_graph,
             artifact_cache=cache,
         )
+        if prof.cached_from:
+            say(f"profile from the cache ({prof.cached_from})")
         mem_prof: MemoryProfile | None = None
         if memory_mb is not None:
+            say("measuring the memory model (cached)")
             mem_prof = memory_profiler.profile_memory(
                 model,
                 batch_size=batch_size,
@@ -189,6 +208,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         importance = data_free_importance(list(model.tensors))
         importance_source = "data-free prior: parameter share"
     else:
+        say(f"importance on a probe batch of {data}")
         importance = probe_importance(
             model,
             data,
@@ -198,6 +218,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
             preprocess=preprocess,
         )
         importance_source = f"first-order importance on a probe batch of {data}"
+    say(f"selecting tensors under rho {rho:g} (DP, paper Eq. 3)")
     time_model = prof.for_frozen_bn(frozen_bn)  # the artifacts' batch-norm mode
     chosen = selection.select_for_rho(
         time_model, rho, importance, resolution=resolution, memory=memory
@@ -213,8 +234,8 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         importance_source=importance_source,
         preprocess=preprocess,
         frozen_bn=frozen_bn,
-        data=str(data) if data is not None else None,
-        tokenizer=str(tokenizer) if tokenizer is not None else None,
+        data=_recorded(data),
+        tokenizer=_recorded(tokenizer),
         resolution=resolution,
         memory_profile=mem_prof,
         memory_mb=memory_mb,
@@ -262,10 +283,12 @@ def compile_model(
     frozen_bn: str = DEFAULT_FROZEN_BN,
     memory_mb: float | None = None,
     memory_resolution_mb: float = 1.0,
+    progress: Callable[[str], None] | None = None,
 ) -> CompileResult:
     """Compile ``model_path`` into the compiled directory ``out_dir``: :func:`compile`, then
     :meth:`etgraph.plan.Plan.save`'s work under the directory's lock, the directory checked
-    before any work (``etgraph compile``).
+    before any work (``etgraph compile``). A directory this call created is removed again when
+    the compile fails.
 
     Args:
         model_path: ONNX model (any data inputs; the output trained on ``[B, K]`` logits, or
@@ -296,6 +319,7 @@ def compile_model(
             profiles), written to ``memory.json``, and the DP selects under both budgets.
             None = time budget only (no memory measurement).
         memory_resolution_mb: the DP's memory unit, MiB.
+        progress: called with one line per stage as it starts.
 
     Returns:
         A :class:`CompileResult`.
@@ -309,30 +333,32 @@ def compile_model(
     """
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
     _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb)
+    created = not Path(out_dir).exists()
     out = prepare_compiled_dir(out_dir, inputs=[source, data, tokenizer])
-    # One compile at a time in OUT; built beside it and swapped in only when complete (plan.json
-    # last): a failed or killed re-compile leaves the last good one.
-    with exclusive_lock(out, "-o"):
-        plan = compile(
-            source,
-            rho=rho,
-            batch_size=batch_size,
-            input_shape=input_shape,
-            data=data,
-            tokenizer=tokenizer,
-            output=output,
-            loss=loss,
-            profile_level=profile_level,
-            repeats=repeats,
-            threads=threads,
-            resolution=resolution,
-            cache_dir=cache_dir,
-            preprocess=preprocess,
-            frozen_bn=frozen_bn,
-            memory_mb=memory_mb,
-            memory_resolution_mb=memory_resolution_mb,
-        )
-        plan.write(out)
+    settings = dict(
+        rho=rho,
+        batch_size=batch_size,
+        input_shape=input_shape,
+        data=data,
+        tokenizer=tokenizer,
+        output=output,
+        loss=loss,
+        profile_level=profile_level,
+        repeats=repeats,
+        threads=threads,
+        resolution=resolution,
+        cache_dir=cache_dir,
+        preprocess=preprocess,
+        frozen_bn=frozen_bn,
+        memory_mb=memory_mb,
+        memory_resolution_mb=memory_resolution_mb,
+    )
+    try:
+        plan = _compile_into(out, source, progress, **settings)
+    except BaseException:
+        if created:  # a failed compile leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     parts = plan.memory_parts_mb
     return CompileResult(
         out_dir=out,
@@ -344,3 +370,15 @@ def compile_model(
         memory_mb=memory_mb,
         predicted_peak_mb=None if parts is None else parts["peak_mb"],
     )
+
+
+def _compile_into(out: Path, source: Path, progress, **settings) -> Plan:
+    """Compile and write ``out`` under its lock: one compile at a time in OUT, built beside it
+    and swapped in only when complete (plan.json last), so a failed or killed re-compile leaves
+    the last good one."""
+    with exclusive_lock(out, "-o"):
+        plan = compile(source, progress=progress, **settings)
+        if progress is not None:
+            progress(f"writing the artifacts of {int(plan.mask.sum())} tensors to {out}")
+        plan.write(out)
+    return plan

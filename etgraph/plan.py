@@ -376,16 +376,25 @@ class Plan:
             )
         profile = Profile.load(source / PROFILE_FILE)
         model = LoadedModel.load(source / MODEL_FILE, loss=profile.loss)
-        try:
-            selected = np.array([bool(r["selected"]) for r in plan["tensors"]])
-            importance = np.array([float(r["importance"]) for r in plan["tensors"]])
+        try:  # a field missing from an older (or hand-written) plan gets its default
+            rows = plan.get("tensors") or []
+            trainable = set(plan.get("trainable_params") or [])
+            selected = (
+                np.array([bool(r["selected"]) for r in rows])
+                if rows
+                else np.array([n in trainable for n in model.names])
+            )
+            importance = np.array(
+                [float(r["importance"]) for r in rows] or np.zeros(len(model.names))
+            )
+            shapes = plan.get("input_shapes") or profile.input_shapes
             memory_file = source / MEMORY_FILE
             return cls(
                 model=model,
                 profile=profile,
                 rho=float(plan["rho"]),
                 batch_size=int(plan["batch_size"]),
-                input_shapes={k: tuple(v) for k, v in plan["input_shapes"].items()},
+                input_shapes={k: tuple(v) for k, v in shapes.items()},
                 mask=selected,
                 importance=importance,
                 importance_source=plan.get("importance_source", ""),

@@ -159,6 +159,8 @@ class Profile:
     branches: list = field(default_factory=list)
     batch_norms: list = field(default_factory=list)
     inference_forward_moved_us: list = field(default_factory=list)
+    #: Where this profile was read from the cache (not saved; None: measured now or loaded).
+    cached_from: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.t_dw_us = np.asarray(self.t_dw_us, dtype=np.float64)
@@ -172,7 +174,7 @@ class Profile:
         ``"tensor_timings"``."""
         out = {"format_version": PROFILE_FORMAT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name in ("tensors", "kinds", "t_dw_us", "t_dy_us"):
+            if f.name in ("tensors", "kinds", "t_dw_us", "t_dy_us", "cached_from"):
                 continue
             value = getattr(self, f.name)
             if f.name == "input_shapes":
@@ -211,7 +213,7 @@ class Profile:
         }
         if "input_shape" in kwargs:
             kwargs["input_shapes"] = {_LEGACY_INPUT: kwargs.pop("input_shape")}
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"cached_from"}
         kwargs = {k: v for k, v in kwargs.items() if k in known}
         if kwargs.get("level", "thorough") not in _LEVELS:
             raise ProfileMismatchError(

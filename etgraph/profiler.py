@@ -268,6 +268,7 @@ def profile_model(
                 level=level,
             )
             log.info("profile cache hit: %s", cache_path)
+            cached.cached_from = str(cache_path)
             return cached
 
     start = time.perf_counter()

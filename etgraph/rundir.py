@@ -72,6 +72,7 @@ __all__ = [
     "format_summary",
     "locked",
     "prepare_run_dir",
+    "read_earlier_hashes",
     "read_log",
     "read_run_checkpoint",
     "read_run_file",
@@ -281,6 +282,7 @@ def write_run_file(
     config_hash: str,
     artifacts_root: str | os.PathLike | None,
     task: Mapping | None = None,
+    earlier_hashes: Sequence[str] = (),
 ) -> Path:
     """Write ``run.json`` (what :func:`read_run_file` needs to resume the run), atomically.
 
@@ -292,6 +294,8 @@ def write_run_file(
         artifacts_root: a shared artifact cache, or None for the run's own ``artifacts/``.
         task: the output trained on and the loss (:meth:`etgraph.model.Task.to_json`), to
             reload the model with on resume (:func:`read_run_task`).
+        earlier_hashes: the digests of the run's configurations before it was extended
+            (``--resume --epochs``): its checkpoints written under them still resume it.
     """
     info = {
         "model": str(model),
@@ -299,6 +303,7 @@ def write_run_file(
         "config_hash": config_hash,
         "artifacts_root": str(Path(artifacts_root).resolve()) if artifacts_root else None,
         "task": dict(task) if task is not None else None,
+        "earlier_config_hashes": list(earlier_hashes),
     }
     return files.write_json_atomic(out / RUN_FILE, info)
 
@@ -311,6 +316,15 @@ def read_run_task(out: Path) -> dict:
         return dict(json.loads((out / RUN_FILE).read_text()).get("task") or {})
     except (OSError, ValueError, TypeError):
         return {}
+
+
+def read_earlier_hashes(out: Path) -> list[str]:
+    """The configuration digests the run had before it was extended (:func:`write_run_file`);
+    read after :func:`read_run_file` has checked the file."""
+    try:
+        return [str(h) for h in json.loads((out / RUN_FILE).read_text())["earlier_config_hashes"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
 
 
 def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C, Path | None]:
@@ -415,7 +429,7 @@ def checkpoint_properties(
 
 
 def read_run_checkpoint(
-    out: Path, model: LoadedModel, config_hash: str
+    out: Path, model: LoadedModel, config_hash: str | Sequence[str]
 ) -> tuple[CarriedState, int]:
     """Read the run's ``checkpoint`` and check that it can resume training ``model``: first its
     sha256 against the one recorded when it was written
@@ -441,7 +455,8 @@ def read_run_checkpoint(
         raise CheckpointError(
             f"checkpoint {path} has no run state: it was not written by etgraph"
         ) from exc
-    if run_state.get("config_hash") != config_hash:
+    hashes = [config_hash] if isinstance(config_hash, str) else list(config_hash)
+    if run_state.get("config_hash") not in hashes:
         raise CheckpointError(f"checkpoint {path} belongs to another configuration")
     missing = (set(model.names) | set(model.running_stats)) - set(carried.weights)
     if missing:
@@ -563,6 +578,27 @@ def write_summary(out: Path, result: TrainResult) -> Path:
     return files.write_json_atomic(out / SUMMARY_FILE, asdict(result))
 
 
+def _speed_lines(result: TrainResult) -> list[str]:
+    """The summary's speed lines: full training measured alike and the rho achieved; none for
+    full training itself (it is its own reference)."""
+    if result.strategy == "full":
+        return [f"full step           {result.full_step_us / 1e3:.2f} ms (median)"]
+    if not math.isfinite(result.full_time_s):
+        return [
+            "full training       not measured: a run under --memory-mb takes no full "
+            "reference steps, so no speedup or achieved rho (compare with a run of "
+            "--strategy full)"
+        ]
+    return [
+        f"full training       {result.full_time_s:.1f} s  -> speedup {result.speedup:.2f}x  (full "
+        f"step {result.full_step_us / 1e3:.2f} ms measured alike in the loop, "
+        f"{result.reference_overhead_pct:.2f} % of the wall time)",
+        f"rho                 requested {result.rho_requested:.2f}  predicted "
+        f"{result.rho_predicted:.2f}  achieved {result.rho_achieved:.2f} (wall), "
+        f"{result.rho_achieved_cpu:.2f} (CPU time)",
+    ]
+
+
 def format_summary(result: TrainResult) -> str:
     """One screen of text summarising ``result`` for the CLI."""
     if math.isnan(result.final_val_acc):  # regression (--loss mse): the loss is the metric
@@ -577,15 +613,7 @@ def format_summary(result: TrainResult) -> str:
         f"strategy            {result.strategy}  ({result.epochs} epochs)",
         *metric,
         f"wall time           {result.wall_time_s:.1f} s  (training, validation excluded)",
-        f"full training       {result.full_time_s:.1f} s  -> speedup {result.speedup:.2f}x  (full "
-        f"step {result.full_step_us / 1e3:.2f} ms measured alike in the loop, "
-        f"{result.reference_overhead_pct:.2f} % of the wall time)"
-        if math.isfinite(result.full_time_s)
-        else "full training       not measured (no full session fits the memory budget): no "
-        "speedup or achieved rho",
-        f"rho                 requested {result.rho_requested:.2f}  predicted "
-        f"{result.rho_predicted:.2f}  achieved {result.rho_achieved:.2f} (wall), "
-        f"{result.rho_achieved_cpu:.2f} (CPU time)",
+        *_speed_lines(result),
         f"sessions            spinning {result.ort_config}"
         + (
             f"  (probed in {result.ort_probe_s:.2f} s, full step "

@@ -346,6 +346,7 @@ class ElasticTrainer:
         val_data=None,
         callbacks: Sequence[Callback] = (),
         progress: bool = False,
+        epochs: int | None = None,
     ) -> ElasticTrainer:
         """The run in ``out_dir`` at its last checkpoint, ready to :meth:`fit` on (after any
         interruption). The work after the last checkpoint (at most the current period) is done
@@ -353,14 +354,37 @@ class ElasticTrainer:
         not reached its first checkpoint starts over. A ``deadline_s`` counts from the resume.
         The model is reloaded from the path in ``run.json``; in-memory data must be given again.
 
+        Args:
+            epochs: extend the run (finished or not) to this many epochs (more than its own);
+                the cosine learning-rate schedule then spans the new total. ``run.json`` records
+                the new configuration.
+
         Raises:
             CheckpointError: ``out_dir`` holds no run, or its checkpoint is corrupt or of
                 another configuration or model.
+            ConfigError: ``epochs`` fewer than the run's.
             ModelError, ProfileMismatchError, DataError: the model, profile or data recorded for
                 the run can no longer be used.
         """
         out = Path(out_dir)
         model_path, config, artifacts_root = rundir.read_run_file(out, TrainConfig.from_json)
+        accepted = [config.digest(), *rundir.read_earlier_hashes(out)]
+        if epochs is not None and epochs != config.epochs:
+            if not epochs > config.epochs:
+                raise ConfigError(
+                    f"--epochs {epochs} with --resume extends a run: give more than its "
+                    f"{config.epochs} epochs"
+                )
+            config = dataclasses.replace(config, epochs=epochs).validate()
+            rundir.write_run_file(
+                out,
+                model=model_path,
+                config=config.to_json(),
+                config_hash=config.digest(),
+                artifacts_root=artifacts_root,
+                task=rundir.read_run_task(out),
+                earlier_hashes=accepted,
+            )
         profile = Profile.load(out / rundir.PROFILE_FILE)
         task = rundir.read_run_task(out)
         model = LoadedModel.load(model_path, output=task.get("output"), loss=task.get("loss", "ce"))
@@ -392,7 +416,7 @@ class ElasticTrainer:
             rundir.start_log(out)
             trainer._carried = trainer._initial_state()
             return trainer
-        carried, epoch = rundir.read_run_checkpoint(out, model, config.digest())
+        carried, epoch = rundir.read_run_checkpoint(out, model, accepted + [config.digest()])
         trainer.source_model = None
         del model
         if trainer.bounded:  # checked; the run reads the file itself (the state is never held)

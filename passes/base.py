@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
@@ -206,6 +207,12 @@ class ChargingPass(TensorGraphPass, Generic[C]):
             raise PostconditionError(f"pass {self.name}: malformed charges: {'; '.join(problems)}")
 
 
+def _plain(text: str) -> str:
+    """reST markup as plain text: ``:role:`~a.b.name``` -> ``name``, double backticks -> one."""
+    text = re.sub(r":\w+:`~?([^`<]*?)(?: <[^>]*>)?`", lambda m: m.group(1).split(".")[-1], text)
+    return text.replace("``", "`")
+
+
 def describe_pipeline(pipeline: PassBase, indent: str = "") -> list[str]:
     """One line per pass of ``pipeline`` in order, nested managers indented: ``"<i>. <class
     name>: <first paragraph of its docstring on one line>"``. For ``etgraph inspect --passes``
@@ -217,6 +224,6 @@ def describe_pipeline(pipeline: PassBase, indent: str = "") -> list[str]:
             lines.extend(describe_pipeline(p, indent + "   "))
             continue
         doc = (type(p).__doc__ or "").strip().split("\n\n")[0]
-        summary = " ".join(doc.split()).replace("``", "`")  # reST literals -> plain backticks
+        summary = _plain(" ".join(doc.split()))
         lines.append(f"{indent}{i}. {type(p).__name__}" + (f": {summary}" if summary else ""))
     return lines

@@ -110,3 +110,84 @@ def test_train_data_errors_come_before_profiling(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "no_images" in lines[0], done.stderr
     assert not list(cache.glob("profiles/*.json")), "profiled before reading the data"
+
+
+def _image_folder(root, classes: int = 5, per_class: int = 8):
+    """A folder of ``classes`` sub-folders of small random RGB PNGs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for k in range(classes):
+        (root / f"class{k}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class{k}" / f"{i}.png")
+    return root
+
+
+@pytest.mark.slow
+def test_compile_shows_progress_and_train_dir_uses_the_compiled_data(tmp_path, cache_env):
+    """`compile --data DIR -o RUN` then the printed `etgraph train RUN` trains on DIR (not the
+    digits: a 5-class folder for the 5-class default model here); compile says what it is doing
+    on stderr (at a terminal or with -v; nothing with -q); `train --resume D --epochs N` extends
+    a finished run."""
+    images = _image_folder(tmp_path / "my images")
+    compiled = tmp_path / "compiled"
+    done = run_cli(
+        "compile", "-v", "--data", images, "-o", compiled, "--rho", "0.9", env=cache_env
+    )  # fmt: skip (progress lines: at a terminal, or with -v)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for stage in ("building the tensor graph", "profiling", "importance on a probe batch",
+                  "selecting tensors", "writing the artifacts"):  # fmt: skip
+        assert stage in done.stderr, stage
+    assert json.loads((compiled / "plan.json").read_text())["data"] == str(images.resolve())
+    quiet = run_cli(
+        "compile", "-q", "--data", images, "-o", compiled, "--rho", "0.9", env=cache_env
+    )
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr[-2000:]
+    out = tmp_path / "run"
+    done = run_cli("train", compiled, "--epochs", "1", "--period", "1", "-o", out, *QUICK,
+                   env=cache_env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "was compiled with" in done.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["data"] == str(images.resolve())
+    assert json.loads((out / "classes.json").read_text())["class_names"] == [
+        f"class{k}" for k in range(5)
+    ]
+    # a finished run is extended, not refused; fewer epochs are refused
+    done = run_cli("train", "--resume", out, "--epochs", "2", "--quiet", env=cache_env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _epochs(out) == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+    done = run_cli("train", "--resume", out, "--epochs", "1", env=cache_env)
+    assert_user_error(done, "extends a run", "more than its 2 epochs")
+    done = run_cli("train", "--resume", out, "--lr", "1", env=cache_env)
+    assert_user_error(done, "drop --lr")
+
+
+@pytest.mark.slow
+def test_full_strategy_summary_does_not_compare_full_training_with_itself(tmp_path, profile_json):
+    out = tmp_path / "run"
+    done = run_cli("train", "--strategy", "full", "--epochs", "1", "--profile", profile_json,
+                   "-o", out, *QUICK)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "speedup" not in done.stdout and "rho " not in done.stdout
+    assert "full step" in done.stdout
+
+
+def test_a_failed_compile_leaves_nothing_behind(tmp_path):
+    """The default -o (etgraph-out) is created only to be removed again when the compile fails."""
+    missing = tmp_path / "nope.onnx"
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "compile", str(missing)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert_user_error(done, "no such model file")
+    assert list(tmp_path.iterdir()) == []

@@ -318,7 +318,7 @@ def test_train_under_memory_budget_logs_predicted_peak(default_model, default_pr
     config = dataclasses.replace(config, memory_mb=budget)
     out = tmp_path / "run"
     result = train(default_model, prof, config, out, progress=False, memory_profile=mem)
-    assert "full training       not measured (no full session fits" in format_summary(result)
+    assert "full training       not measured: a run under --memory-mb" in format_summary(result)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
