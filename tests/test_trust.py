@@ -317,7 +317,8 @@ def test_ctrl_c_while_profiling_does_not_suggest_resuming_a_run_that_was_not_sta
         assert "profiling" in proc.stderr.readline()
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        stderr = proc.stderr.read()  # not communicate(timeout=...): it skips what readline buffered
+        proc.wait(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
