@@ -31,6 +31,7 @@ from pathlib import Path
 
 import flatbuffers
 import numpy as np
+import onnx
 from onnx import helper
 from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
 
@@ -74,6 +75,37 @@ class CarriedState:
     weights: dict[str, np.ndarray]
     moments: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     step: int = 0
+
+    def updated(
+        self,
+        weights: Mapping[str, np.ndarray],
+        model: onnx.ModelProto,
+        *,
+        reset_moments: bool = False,
+    ) -> CarriedState:
+        """This state with ``weights`` (initializer name -> array) in place of its own, checked
+        against ``model``'s initializers; with ``reset_moments`` those tensors' AdamW moments
+        are dropped (they restart from zero). Modifies and returns this state.
+
+        Raises:
+            ConfigError: a name that is not one of the state's weights, or an array of another
+                shape or dtype than the initializer's.
+        """
+        specs = {i.name: i for i in model.graph.initializer}
+        for name, value in weights.items():
+            if name not in self.weights or name not in specs:
+                raise ConfigError(f"{name!r} is not a parameter of the model: use get_weights()'s")
+            value = np.asarray(value)
+            dims = tuple(specs[name].dims)
+            dtype = helper.tensor_dtype_to_np_dtype(specs[name].data_type)
+            if value.shape != dims or value.dtype != dtype:
+                raise ConfigError(
+                    f"{name!r} is {dtype} {list(dims)}; got {value.dtype} {list(value.shape)}"
+                )
+            self.weights[name] = np.array(value, copy=True)
+            if reset_moments:
+                self.moments.pop(name, None)
+        return self
 
 
 def _mapped(path: Path) -> mmap.mmap | bytes:

@@ -658,9 +658,9 @@ def train_command(ctx: click.Context, model, **opts):
     a compiled directory gives its rho, batch size, preprocessing and data unless told
     otherwise. `--resume DIR` continues an interrupted run, or extends a finished one with a
     larger --epochs."""
+    from .config import load_run_data
     from .loop import resume, train
     from .rundir import format_summary
-    from .trainer import load_run_data
 
     progress = not opts["quiet"]
     if opts["resume_dir"] is not None:

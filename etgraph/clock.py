@@ -43,6 +43,7 @@ __all__ = [
     "period_reference_positions",
     "reference_positions",
     "reference_ratio",
+    "reference_steps_at",
     "spins",
 ]
 
@@ -104,6 +105,15 @@ def period_reference_positions(
     for i in reference_positions(steps, count):
         out[i // steps_per_epoch].add(i % steps_per_epoch)
     return [frozenset(s) for s in out]
+
+
+def reference_steps_at(
+    epoch: int, first_epoch: int, end_epoch: int, steps_per_epoch: int, budget: float, rho: float
+) -> frozenset[int]:
+    """Steps of ``epoch`` (0-based) after which a full reference step runs: its period's
+    (epochs ``[first_epoch, end_epoch)``) :func:`period_reference_positions`."""
+    positions = period_reference_positions(steps_per_epoch, end_epoch - first_epoch, budget, rho)
+    return positions[epoch - first_epoch]
 
 
 def reference_ratio(
@@ -213,6 +223,37 @@ class DeadlinePlanner:
     floor_rho: float
     profiled_full_step_s: float
     full_step_now_s: Callable[[], float] = field(repr=False)
+
+    @classmethod
+    def for_run(
+        cls,
+        config,
+        *,
+        started_at: float,
+        steps_per_epoch: int,
+        n_val: int,
+        floor_rho: float,
+        profiled_full_step_s: float,
+        full_step_now_s: Callable[[], float],
+    ) -> DeadlinePlanner | None:
+        """The planner of a run of ``config`` (:class:`etgraph.config.TrainConfig`; None
+        without ``deadline_s``) with ``n_val`` validation examples."""
+        if config.deadline_s is None:
+            return None
+        val_batches = math.ceil(n_val / config.batch_size)
+        if config.max_val_batches is not None:
+            val_batches = min(val_batches, config.max_val_batches)
+        return cls(
+            deadline_s=config.deadline_s,
+            started_at=started_at,
+            epochs=config.epochs,
+            period=config.period,
+            steps_per_epoch=steps_per_epoch,
+            val_batches=val_batches,
+            floor_rho=floor_rho,
+            profiled_full_step_s=profiled_full_step_s,
+            full_step_now_s=full_step_now_s,
+        )
 
     def check(self) -> None:
         """Raise ConfigError at the start when even the cheapest selection cannot finish in time.

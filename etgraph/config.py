@@ -9,22 +9,35 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from passes.onnx import DEFAULT_FROZEN_BN
 
 from .artifacts import check_frozen_bn
-from .data import DEFAULT_PREPROCESS, Preprocess
-from .errors import ConfigError
+from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, as_dataset
+from .errors import ConfigError, DataError, ProfileMismatchError
 from .selection import BUDGETED_STRATEGIES, STRATEGIES
 from .sessions import TRAIN_CANDIDATES
 
-__all__ = ["TrainConfig"]
+if TYPE_CHECKING:
+    from .memory import MemoryProfile
+    from .model import LoadedModel
+    from .profile import Profile
+
+__all__ = ["TrainConfig", "check_run_inputs", "load_run_data", "steps_per_epoch"]
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Settings of one training run (paper §8 defaults: 12 epochs, batch 4, lr 1e-4).
+
+    The optimizer is AdamW (decoupled weight decay) with betas (0.9, 0.999), eps 1e-6 — ORT's
+    training runtime runs only AdamW and momentum-less SGD (the paper uses SGDW with momentum
+    0.9 for CNNs, Adam for ViT). The learning rate follows the paper's cosine decay over all
+    training steps, set every step (ORT's LinearLRScheduler is broken in 1.19.2); the step count
+    is global (one optimizer group), so bias correction continues across selections.
 
     Attributes:
         epochs: training epochs (> 0).
@@ -172,3 +185,83 @@ class TrainConfig:
         default = type(self)().to_json()
         changed = {k: v for k, v in self.to_json().items() if v != default[k]}
         return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_run_data(
+    config: TrainConfig,
+    model: LoadedModel,
+    shapes: Mapping[str, Sequence[int]],
+    data=None,
+    **kwargs,
+) -> Dataset | ArrayDataset:
+    """The data of a run of ``config`` on ``model`` at per-example input ``shapes``: ``data``
+    in any form :func:`etgraph.data.as_dataset` takes, or ``config.data`` (a spec; None: the
+    embedded digits task) with the run's tokenizer, split and preprocessing. Keyword arguments
+    go to :func:`etgraph.data.as_dataset` (``val_data``, ``all_val``).
+
+    Raises:
+        DataError: as :func:`etgraph.data.as_dataset`.
+    """
+    return as_dataset(
+        data,
+        inputs=model.inputs,
+        shapes=shapes,
+        task=model.task,
+        spec=config.data,
+        tokenizer=config.tokenizer,
+        val_fraction=config.val_fraction,
+        seed=config.seed,
+        preprocess=config.preprocess,
+        **kwargs,
+    )
+
+
+def check_run_inputs(
+    config: TrainConfig,
+    model: LoadedModel,
+    profile: Profile,
+    shapes: Mapping[str, Sequence[int]],
+    memory_profile: MemoryProfile | None = None,
+) -> None:
+    """Check that ``profile`` (and ``memory_profile``) can serve a run of ``config`` on
+    ``model`` at per-example input ``shapes``.
+
+    Raises:
+        ProfileMismatchError: the profile is of another model, batch size, input shape or
+            loss, or the memory model of another batch-norm mode.
+        ConfigError: ``memory_mb`` without a memory model.
+    """
+    if config.memory_mb is not None and memory_profile is None:
+        raise ConfigError("--memory-mb needs the model's memory profile: compile with it")
+    if memory_profile is not None and memory_profile.frozen_bn != config.frozen_bn:
+        raise ProfileMismatchError(
+            f"memory profile is of --frozen-bn {memory_profile.frozen_bn}, not "
+            f"{config.frozen_bn}: measure it in the run's mode (etgraph.memory_profiler)"
+        )
+    profile.check_matches(
+        model.hash, batch_size=config.batch_size, input_shapes=shapes, loss=model.task.loss
+    )
+    if list(profile.tensors) != model.names:
+        raise ProfileMismatchError(
+            f"the profile lists {len(profile.tensors)} tensors that differ from the "
+            f"{len(model.names)} of {model.source.resolve()}: re-run `etgraph profile` for "
+            "this model"
+        )
+
+
+def steps_per_epoch(dataset, config: TrainConfig) -> int:
+    """Training steps per epoch (full batches, capped by ``max_steps_per_epoch``).
+
+    Raises:
+        DataError: fewer training examples than one batch.
+    """
+    steps = dataset.steps_per_epoch(config.batch_size)
+    if steps < 1:
+        raise DataError(
+            f"dataset {dataset.name} has {dataset.n_train} training examples, "
+            f"fewer than the batch size {config.batch_size}: add examples (part of them "
+            "are held out for validation) or lower --batch-size (compile again at it)"
+        )
+    if config.max_steps_per_epoch is not None:
+        steps = min(steps, config.max_steps_per_epoch)
+    return steps

@@ -12,17 +12,33 @@ output layer), ``bn-bias`` (BatchNorm gamma/beta + all biases + the output layer
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import logging
 import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
 
+from tqdm import tqdm
+
+from . import rundir
 from .config import TrainConfig
 from .data import ArrayDataset, Dataset
+from .errors import ConfigError
+from .events import Callback, RunDirectoryLog
+from .labels import save_class_names
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .profile import Profile
 from .rundir import TrainResult, locked
+from .sessions import evaluate_onnx
 from .trainer import ElasticTrainer
 
-__all__ = ["resume", "train"]
+log = logging.getLogger(__name__)
+
+__all__ = ["finish_run", "resume", "resume_trainer", "start_run", "train"]
 
 
 @locked(new=True)  # one process per run directory, for the whole run
@@ -89,3 +105,151 @@ def resume(
         As :meth:`ElasticTrainer.resume` and :meth:`ElasticTrainer.fit`.
     """
     return ElasticTrainer.resume(out_dir, progress=progress, epochs=epochs).fit()
+
+
+# ---- the run directory around a trainer -------------------------------------------------------
+
+
+def start_run(trainer: ElasticTrainer, profile: Profile) -> None:
+    """Write what resuming ``trainer``'s run needs into its run directory (``run.json``, the
+    profile, the memory model, the classes) and an empty log that a :class:`RunDirectoryLog`
+    callback (added first) fills."""
+    out, cfg = trainer.out, trainer.config
+    profile.save(out / rundir.PROFILE_FILE)
+    if trainer.memory_profile is not None:
+        trainer.memory_profile.save(out / rundir.MEMORY_FILE)
+    rundir.write_run_file(
+        out,
+        model=trainer.model.source.resolve(),
+        config=cfg.to_json(),
+        config_hash=cfg.digest(),
+        artifacts_root=trainer.artifacts_root,
+        task=trainer.model.task.to_json(),
+    )
+    if trainer.dataset.class_names:
+        save_class_names(out, trainer.dataset.class_names)
+    rundir.start_log(out)
+    trainer.callbacks.insert(0, RunDirectoryLog(out))
+
+
+def resume_trainer(
+    out_dir: str | os.PathLike,
+    *,
+    data=None,
+    val_data=None,
+    callbacks: Sequence[Callback] = (),
+    progress: bool = False,
+    epochs: int | None = None,
+) -> ElasticTrainer:
+    """The run in ``out_dir`` at its last checkpoint, ready to :meth:`ElasticTrainer.fit` on
+    (after any interruption). The work after the last checkpoint (at most the current period)
+    is done again; given the same data the run ends as an uninterrupted one would. A run that
+    had not reached its first checkpoint starts over. A ``deadline_s`` counts from the resume.
+    The model is reloaded from the path in ``run.json``; in-memory data must be given again.
+
+    Args:
+        epochs: extend the run (finished or not) to this many epochs (more than its own); the
+            cosine learning-rate schedule then spans the new total. ``run.json`` records the
+            new configuration.
+
+    Raises:
+        CheckpointError: ``out_dir`` holds no run, or its checkpoint is corrupt or of another
+            configuration or model.
+        ConfigError: ``epochs`` fewer than the run's.
+        ModelError, ProfileMismatchError, DataError: the model, profile or data recorded for
+            the run can no longer be used.
+    """
+    out = Path(out_dir)
+    model_path, config, artifacts_root = rundir.read_run_file(out, TrainConfig.from_json)
+    accepted = [config.digest(), *rundir.read_earlier_hashes(out)]
+    if epochs is not None and epochs != config.epochs:
+        config = _extended(out, model_path, config, artifacts_root, epochs, accepted)
+    profile = Profile.load(out / rundir.PROFILE_FILE)
+    task = rundir.read_run_task(out)
+    model = LoadedModel.load(model_path, output=task.get("output"), loss=task.get("loss", "ce"))
+    memory_file = out / rundir.MEMORY_FILE
+    trainer = ElasticTrainer(
+        model,
+        profile,
+        config,
+        data=data,
+        val_data=val_data,
+        out_dir=out,
+        callbacks=callbacks,
+        progress=progress,
+        memory_profile=MemoryProfile.load(memory_file) if memory_file.is_file() else None,
+        artifacts_root=artifacts_root,
+        resuming=True,
+    )
+    rundir.remove_temporaries(out)
+    if trainer.dataset.class_names:  # the same mapping again (a kill may have come first)
+        save_class_names(out, trainer.dataset.class_names)
+    if artifacts_root is None:  # the run's own cache (a shared one may be in use)
+        trainer.cache.remove_temporaries()
+    trainer.callbacks.insert(0, RunDirectoryLog(out))
+    if not (out / rundir.CHECKPOINT_FILE).exists():
+        log.info("no checkpoint in %s yet: restarting the run", out)
+        if progress:
+            tqdm.write(f"no checkpoint in {out} yet: the run starts over")
+        rundir.start_log(out)
+        trainer.restore(None, 0, [])
+        return trainer
+    carried, epoch = rundir.read_run_checkpoint(out, model, accepted + [config.digest()])
+    del model
+    if trainer.bounded:  # checked; the run reads the file itself (the state is never held)
+        carried = out / rundir.CHECKPOINT_FILE
+        gc.collect()
+    trainer.restore(carried, epoch, rundir.truncate_log(out, epoch))
+    log.info("resuming %s at epoch %d of %d", out, epoch, config.epochs)
+    if progress:  # the user sees where the run continues from
+        tqdm.write(f"resuming {out} after epoch {epoch} of {config.epochs} (its last checkpoint)")
+    return trainer
+
+
+def _extended(out, model_path, config, artifacts_root, epochs: int, accepted) -> TrainConfig:
+    """The run's configuration extended to ``epochs``, recorded in ``run.json`` (the earlier
+    digests with it, so the run's checkpoints still resume it).
+
+    Raises:
+        ConfigError: ``epochs`` is not more than the run's.
+    """
+    if not epochs > config.epochs:
+        raise ConfigError(
+            f"--epochs {epochs} with --resume extends a run: give more than its "
+            f"{config.epochs} epochs"
+        )
+    config = dataclasses.replace(config, epochs=epochs).validate()
+    rundir.write_run_file(
+        out,
+        model=model_path,
+        config=config.to_json(),
+        config_hash=config.digest(),
+        artifacts_root=artifacts_root,
+        task=rundir.read_run_task(out),
+        earlier_hashes=accepted,
+    )
+    return config
+
+
+def finish_run(trainer: ElasticTrainer) -> tuple[str, float]:
+    """The end of a run with a run directory: export ``model_trained.onnx`` from the last
+    checkpoint (no session: the weights held once), score it in a plain InferenceSession, plot
+    the curves and the selections, remove the session directory. Returns the model's path and
+    its validation accuracy (NaN for mse)."""
+    cfg, out = trainer.config, trainer.out
+    trained = str(trainer.export(out / rundir.TRAINED_MODEL_FILE))
+    _, accuracy = evaluate_onnx(
+        trained,
+        trainer.val_batches(),
+        cfg.batch_size,
+        loss=trainer.model.task.loss,
+        output=trainer.model.output_name,
+    )
+    if trainer.model.task.loss != "ce":  # the metric is the MSE: no accuracy
+        accuracy = float("nan")
+    from .plots import plot_run  # matplotlib only at the end of a run
+
+    with contextlib.suppress(Exception):
+        plot_run(out)
+    shutil.rmtree(trainer.work_dir, ignore_errors=True)
+    return trained, accuracy

@@ -114,12 +114,19 @@ class OrtOptions:
         config = dataclasses.replace(choice.config, shared_arena=False, mem_pattern=False)
         return dataclasses.replace(choice, config=config)
 
-    def take_epoch_fields(self) -> tuple[float, bool]:
-        """``(probe_s, chose)`` for the next epoch's record: the probe's time since the last
-        record, and whether the options were chosen since (then reset)."""
+    def record_fields(self) -> dict:
+        """The next epoch record's fields of the options (``ort_config``; ``ort_probe_s``: the
+        probe's time since the last record; ``ort_probe_step_ms``, ``ort_note``: set on the
+        epoch after the options were chosen), then reset."""
         probe_s, self._probe_s = self._probe_s, 0.0
         chose, self._pending = self._pending, False
-        return probe_s, chose
+        choice = self.choice
+        return {
+            "ort_config": choice.label,
+            "ort_probe_s": probe_s,
+            "ort_probe_step_ms": dict(choice.step_ms) if chose and choice.step_ms else None,
+            "ort_note": choice.note if chose else "",
+        }
 
     def choose(
         self,

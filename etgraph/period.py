@@ -241,6 +241,21 @@ class PeriodController:
                 self._reference.train_step(*batch, 0.0)
         return self._reference
 
+    def full_step_now_s(self, steps: int = 3) -> float:
+        """Median wall time (s) of ``steps`` full steps of the (warm) reference session on a
+        probe batch: the machine's speed at the start of a deadline run. Under a memory budget
+        (no full session fits) the profile's measured full step."""
+        if self.bounded:
+            return self.profile.measured_full_step_us * 1e-6
+        reference = self.reference_session()
+        x, y = self.probe_batches(0)[0]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            reference.train_step(x, y, 0.0)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
     def use_options(self, changed: bool, winner: GradientSession | None) -> None:
         """Follow a choice of session options (:meth:`etgraph.ort_probe.OrtOptions.choose`):
         the probe's winner becomes the reference and importance session; options changed

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
 from .clock import REFERENCE_WARMUP, reference_ratio
 from .rundir import EpochRecord
@@ -71,8 +72,9 @@ def train_steps(
     *,
     reference: GradientSession | None = None,
     reference_at: frozenset[int] = frozenset(),
-    on_step: Callable[[EpochSteps], None] | None = None,
     on_nonfinite: Callable[[int, float, float], None] | None = None,
+    progress: str | None = None,
+    total: int | None = None,
 ) -> EpochSteps:
     """Train on ``batches`` (one epoch), timing every step.
 
@@ -83,11 +85,13 @@ def train_steps(
         first_step: the global step of the first batch.
         reference: the all-trainable session the reference steps run on (learning rate 0).
         reference_at: the epoch's step indices after which a reference step runs.
-        on_step: called after each step with the measurements so far (progress bars).
         on_nonfinite: called with ``(steps taken, loss, learning rate)`` at a NaN or infinite
             loss, before anything else; it should raise (the run stops there).
+        progress: a tqdm bar of this title on stderr (running loss and accuracy), or none.
+        total: the epoch's steps (the bar's length).
     """
     out = EpochSteps(learning_rate=learning_rate(first_step))
+    bar = tqdm(total=total, desc=progress, disable=progress is None, leave=False, unit="step")
     t_epoch = time.perf_counter()
     for i, (x, y) in enumerate(batches):
         lr = out.learning_rate = learning_rate(first_step + i)
@@ -107,13 +111,17 @@ def train_steps(
             out.reference_cpu.append((i, min(cpu)))
             out.reference_s += time.perf_counter() - t_ref
         if not math.isfinite(loss) and on_nonfinite is not None:
+            bar.close()
             on_nonfinite(len(out.step_times), loss, lr)
         out.losses.append(loss)
         out.correct += right
         out.seen += y.shape[0]
-        if on_step is not None:
-            on_step(out)
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{np.mean(out.losses):.3f}", acc=f"{out.correct / out.seen:.3f}", refresh=False
+        )
     out.train_s = time.perf_counter() - t_epoch
+    bar.close()
     return out
 
 
@@ -128,7 +136,6 @@ def epoch_record(
     classify: bool,
     timings: dict | None,
     reference_setup_s: float,
-    probe_s: float,
     previous_s: float,
     reference: str,
     predicted_step_us: float,
@@ -152,14 +159,14 @@ def epoch_record(
         timings: the period start's (:class:`etgraph.period.Reselection`), for the period's
             first epoch only.
         reference_setup_s: opening the reference session (charged to the reference steps).
-        probe_s: the session-options probe since the last epoch.
         previous_s: the cumulative wall time before this epoch.
         reference: ``"measured"`` (reference steps taken), ``"self"`` (full training: its own
             steps are the reference) or ``"none"`` (not measured: a memory budget).
         predicted_step_us: the time model's step of the selection. t_full_us: its full step.
         fit: the time-model correction of this period. rho: this period's requested rho.
         peak_rss_mb, predicted_peak_mb: measured and predicted peak memory, MiB.
-        ort: ``ort_config``, ``ort_probe_s``, ``ort_probe_step_ms``, ``ort_note`` fields.
+        ort: the session options' fields (:meth:`etgraph.ort_probe.OrtOptions.record_fields`;
+            ``ort_probe_s``, the probe since the last epoch, is part of the epoch's wall time).
     """
     st = steps
     timed = st.step_times[1:] if (fresh_session and len(st.step_times) > 1) else st.step_times
@@ -177,7 +184,7 @@ def epoch_record(
         reference_cpu_us = median_cpu_us / ratio if ratio > 0 else float("nan")
     t = timings or {}
     val_loss, val_metric, val_s = val
-    epoch_s = st.train_s + t.get("reselection_s", 0.0) + reference_setup_s + probe_s
+    epoch_s = st.train_s + t.get("reselection_s", 0.0) + reference_setup_s + ort["ort_probe_s"]
     return EpochRecord(
         epoch=epoch + 1,
         period=period,

@@ -16,19 +16,9 @@ writes (:mod:`etgraph.rundir`: ``run.json``, ``log.jsonl``, a checkpoint after e
 (:meth:`ElasticTrainer.resume`); without it everything lives in a private temporary directory
 removed by :meth:`ElasticTrainer.close` (or the ``with`` block's end).
 
-**Optimizer.** AdamW (decoupled weight decay) with betas (0.9, 0.999), eps 1e-6 — ORT's
-training runtime runs only AdamW and momentum-less SGD. The paper uses SGDW with momentum 0.9 for
-CNNs (Adam for ViT). The learning rate follows the paper's cosine decay over all training steps,
-set each step (ORT's LinearLRScheduler is broken in 1.19.2). The step count is global (one
-optimizer group), so bias correction continues across selections.
-
-**Under a memory budget** (``memory_mb``, issue #17) the whole process stays within it: at any
-moment one heavy thing is alive. The model's weights leave the process at the start (they go to
-a checkpoint file, tensor by tensor), artifacts are generated from placeholders, the state always
-goes through a file (at a period's end the sessions are released before the save), importance
-runs chunk by chunk, and the trained model is exported from the checkpoint without a session. No
-full reference steps are taken (a full step does not fit): the loop runs open, ``rho_measured``
-is NaN. ``peak_rss_mb`` in the log is the process's ``VmHWM`` since the previous period's end.
+The optimizer (AdamW, cosine decay; :class:`etgraph.config.TrainConfig`) and the run under a
+memory budget (``memory_mb``: one heavy thing alive at a time, the state always through a file,
+no full reference steps) are described in docs/architecture.md, "The training loop".
 
 **Determinism.** All randomness derives from the run seed: epoch ``e`` shuffles with
 ``seed * 1000 + e``, period ``p`` probes with ``seed * 1000 + 100_000 + p``. Same seed, same data
@@ -38,37 +28,34 @@ times); a resumed run continues exactly as the uninterrupted one would.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import helper
 from tqdm import tqdm
 
 from . import rundir
 from .artifacts import (
     ArtifactCache,
-    export_inference_model,
     lazy_initializer_values,
     placeholder_weights,
 )
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
-from .clock import DeadlinePlanner, period_reference_positions
-from .config import TrainConfig
-from .data import ArrayDataset, Dataset, as_dataset
-from .errors import ConfigError, DataError, ProfileMismatchError, TrainingDivergedError
-from .files import temporary_prefix
+from .clock import DeadlinePlanner, reference_steps_at
+from .config import TrainConfig, check_run_inputs, load_run_data, steps_per_epoch
+from .data import ArrayDataset, Dataset
+from .errors import ConfigError, DataError, TrainingDivergedError
+from .events import Callback, PeriodInfo
+from .export import export_trained
+from .files import private_temp_dir
 from .host import (
     freeze_gc,
     limit_heap_retention,
@@ -76,83 +63,22 @@ from .host import (
     release_native_memory,
     reset_peak_rss,
 )
-from .labels import save_class_names, set_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
-from .onnx_io import export_with_original_outputs, original_outputs, restore_exported
 from .ort_probe import OrtOptions
 from .period import PeriodController, memory_log
 from .profile import Profile
 from .selection import MemoryCosts, check_memory_floor, strategy_mask
-from .sessions import TrainingSession, evaluate_onnx
-from .steps import EpochSteps, cosine_learning_rate, epoch_record, train_steps
+from .sessions import TrainingSession
+from .steps import cosine_learning_rate, epoch_record, train_steps
 from .timing import StepTimeFit, min_feasible_rho
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Callback", "ElasticTrainer", "PeriodInfo", "load_run_data"]
+__all__ = ["ElasticTrainer"]
 
 #: Under a memory budget the run's initial weights go to this file (in the work directory).
 INITIAL_CHECKPOINT = "initial.ckpt"
-
-
-@dataclass(frozen=True)
-class PeriodInfo:
-    """One period's selection, as its start chose it (paper §4).
-
-    Attributes:
-        period: 0-based index. first_epoch, end_epoch: its epochs, ``[first, end)``, 0-based.
-        rho: the requested step-time ratio of the period (deadline mode chooses it).
-        mask: the selection mask, bool [N], forward order (:attr:`LoadedModel.names`).
-        selected: the selected tensors' initializer names, forward order.
-        importance: float64 [N] (None for strategies without importance).
-        predicted_step_us: the time model's step of the selection, µs.
-        timings: seconds of each part of the period start (``importance_s``, ``selection_s``,
-            ``artifacts_s``, ``session_s``, ``reselection_s``) and ``artifacts_cache_hit``.
-    """
-
-    period: int
-    first_epoch: int
-    end_epoch: int
-    rho: float
-    mask: np.ndarray
-    selected: list[str]
-    importance: np.ndarray | None
-    predicted_step_us: float
-    timings: dict
-
-
-class Callback:
-    """Hooks of :class:`ElasticTrainer` at run, period and epoch boundaries (all do nothing).
-
-    Subclass and override what you need; pass instances as ``callbacks=[...]``. The records are
-    the dicts ``log.jsonl`` holds (:class:`etgraph.rundir.EpochRecord` fields).
-    """
-
-    def on_fit_start(self, trainer: ElasticTrainer) -> None:
-        """Before the first period of :meth:`ElasticTrainer.fit`."""
-
-    def on_period_start(self, trainer: ElasticTrainer, info: PeriodInfo) -> None:
-        """After a period's selection, before its first step."""
-
-    def on_epoch_end(self, trainer: ElasticTrainer, record: dict) -> None:
-        """After an epoch's validation, with its log record."""
-
-    def on_period_end(self, trainer: ElasticTrainer, info: PeriodInfo) -> None:
-        """After a period's checkpoint is saved."""
-
-    def on_fit_end(self, trainer: ElasticTrainer, result: rundir.TrainResult) -> None:
-        """After the run's end (export and summary)."""
-
-
-class _RunDirectoryLog(Callback):
-    """Appends every epoch's record to the run directory's ``log.jsonl`` (fsynced)."""
-
-    def __init__(self, out: Path):
-        self.out = out
-
-    def on_epoch_end(self, trainer: ElasticTrainer, record: dict) -> None:
-        rundir.append_log(self.out, record)
 
 
 class ElasticTrainer:
@@ -177,6 +103,8 @@ class ElasticTrainer:
         artifacts_root: an artifact cache shared between runs of the same model (default: the
             run directory's ``artifacts/``, or the temporary directory).
         started_at: ``time.perf_counter()`` the deadline counts from (default: now).
+        resuming: the run directory holds the run: nothing is written at the start; the state
+            comes from :meth:`restore` (:func:`etgraph.loop.resume_trainer`).
 
     Raises:
         ConfigError: bad settings, an unwritable ``out_dir`` or a run in it, a deadline even
@@ -199,7 +127,7 @@ class ElasticTrainer:
         memory_profile: MemoryProfile | None = None,
         artifacts_root: str | os.PathLike | None = None,
         started_at: float | None = None,
-        _resuming: bool = False,
+        resuming: bool = False,
     ):
         config = (config or TrainConfig()).validate()
         if isinstance(data, (str, os.PathLike)):  # a spec: recorded in run.json
@@ -210,11 +138,10 @@ class ElasticTrainer:
         self.progress = progress
         self.callbacks = list(callbacks)
         self.out = Path(out_dir) if out_dir is not None else None
-        _check_memory_profile(config, memory_profile)
-        if self.out is not None and not _resuming:
+        if self.out is not None and not resuming:
             rundir.prepare_run_dir(self.out)
-        self._tmp = None if self.out is not None else tempfile.mkdtemp(prefix="etgraph-train-")
-        self.work_dir = (self.out / rundir.SESSION_DIR) if self.out is not None else Path(self._tmp)
+        self._tmp = None if self.out is not None else private_temp_dir("train")
+        self.work_dir = self.out / rundir.SESSION_DIR if self._tmp is None else Path(self._tmp.name)
         self.source_model = model
         self.bounded = config.memory_mb is not None
         if self.bounded:  # the weights live in checkpoint files only (module docstring)
@@ -224,21 +151,19 @@ class ElasticTrainer:
         self.model = model
         self.names = model.names
         self.input_shapes = model.input_shapes(profile.input_shapes)
-        _check_profile(profile, model, config, self.input_shapes)
+        check_run_inputs(config, model, profile, self.input_shapes, memory_profile)
         self.profile = profile.for_frozen_bn(config.frozen_bn)  # the run's batch-norm mode
         self.memory_profile = memory_profile
         self.threads = config.threads if config.threads is not None else profile.threads
         self.dataset: Dataset | ArrayDataset = self._load_data(data, val_data=val_data)
-        self.steps_per_epoch = _steps_per_epoch(self.dataset, config)
+        self.steps_per_epoch = steps_per_epoch(self.dataset, config)
         self.total_steps = self.steps_per_epoch * config.epochs
         root = artifacts_root or (
             self.out / rundir.ARTIFACTS_DIR if self.out is not None else self.work_dir / "artifacts"
         )
         self.artifacts_root = Path(artifacts_root) if artifacts_root else None
-        # Sessions train at the run's one batch shape (training batches are full, validation
-        # pads), as the profile measured: static shapes let ORT fold the shape arithmetic
-        # (ViT-B/16 at 128 px: full step 511 vs 697 ms with a symbolic batch). The exported
-        # model gets its symbolic batch back (export).
+        # Sessions train at the run's one batch shape, as the profile measured (static shapes:
+        # ViT-B/16 128 px steps 1.38x faster); the exported model gets its symbolic batch back.
         self.cache = ArtifactCache(root, static_batch=(config.batch_size, self.input_shapes))
         self.options = OrtOptions(
             config.spinning,
@@ -260,22 +185,15 @@ class ElasticTrainer:
         )
         p = self.profile
         self.floor_rho = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
-        self.deadline = None
-        if config.deadline_s is not None:
-            val_batches = math.ceil(self.dataset.n_val / config.batch_size)
-            if config.max_val_batches is not None:
-                val_batches = min(val_batches, config.max_val_batches)
-            self.deadline = DeadlinePlanner(
-                deadline_s=config.deadline_s,
-                started_at=self.started_at,
-                epochs=config.epochs,
-                period=config.period,
-                steps_per_epoch=self.steps_per_epoch,
-                val_batches=val_batches,
-                floor_rho=self.floor_rho,
-                profiled_full_step_s=p.measured_full_step_us * 1e-6,
-                full_step_now_s=self._full_step_now_s,
-            )
+        self.deadline = DeadlinePlanner.for_run(
+            config,
+            started_at=self.started_at,
+            steps_per_epoch=self.steps_per_epoch,
+            n_val=self.dataset.n_val,
+            floor_rho=self.floor_rho,
+            profiled_full_step_s=p.measured_full_step_us * 1e-6,
+            full_step_now_s=self.controller.full_step_now_s,
+        )
         # the run's progress
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.epoch = 0  # epochs done
@@ -286,21 +204,39 @@ class ElasticTrainer:
         self._session: TrainingSession | None = None
         self._mask: np.ndarray | None = None  # the current (or last) selection
         self._period: PeriodInfo | None = None  # the period in progress
-        self._predicted_peak_mb: float | None = None
         self._pending_timings: dict | None = None  # the period start's, for its first epoch
         self._options_chosen = False
         self._since_set: set[str] = set()  # tensors trained since set_weights
         self._stats_at_set: dict[str, np.ndarray] | None = None
-        if not _resuming:
+        if not resuming:
             if self.deadline is not None:
                 self.deadline.check()
             if memory_profile is not None and config.memory_mb is not None:  # the model's floor
                 check_memory_floor(MemoryCosts.from_profile(memory_profile, config.memory_mb))
             self._carried = self._initial_state()
             if self.out is not None:
-                self._start_run_directory(profile)
+                from .loop import start_run
+
+                start_run(self, profile)
 
     # -- construction helpers -------------------------------------------------------------------
+
+    def restore(self, state: CarriedState | Path | None, epoch: int, records: list[dict]) -> None:
+        """Continue from ``state`` (a checkpoint's state, or its file under a memory budget;
+        None: the model's initial weights) after ``epoch`` epochs, whose log ``records`` were
+        kept (a resumed run). Only between periods.
+
+        Raises:
+            ConfigError: a period is in progress.
+        """
+        if self._period is not None:
+            raise ConfigError("restore() between periods only")
+        self._carried = self._initial_state() if state is None else state
+        if state is not None:
+            self.source_model = None
+        self._session, self._mask = None, None
+        self.records = list(records)
+        self.epoch, self.global_step = epoch, epoch * self.steps_per_epoch
 
     def _initial_state(self) -> CarriedState | Path:
         """The model's initial weights; under a memory budget written to a checkpoint file
@@ -317,120 +253,13 @@ class ElasticTrainer:
         memory_log("the initial checkpoint")
         return path
 
-    def _start_run_directory(self, profile: Profile) -> None:
-        """Write what resuming the run needs (run.json, profile, memory model, classes) and an
-        empty log."""
-        out, cfg = self.out, self.config
-        profile.save(out / rundir.PROFILE_FILE)
-        if self.memory_profile is not None:
-            self.memory_profile.save(out / rundir.MEMORY_FILE)
-        rundir.write_run_file(
-            out,
-            model=self.model.source.resolve(),
-            config=cfg.to_json(),
-            config_hash=cfg.digest(),
-            artifacts_root=self.artifacts_root,
-            task=self.model.task.to_json(),
-        )
-        if self.dataset.class_names:
-            save_class_names(out, self.dataset.class_names)
-        rundir.start_log(out)
-        self.callbacks.insert(0, _RunDirectoryLog(out))
-
     @classmethod
-    def resume(
-        cls,
-        out_dir: str | os.PathLike,
-        *,
-        data=None,
-        val_data=None,
-        callbacks: Sequence[Callback] = (),
-        progress: bool = False,
-        epochs: int | None = None,
-    ) -> ElasticTrainer:
-        """The run in ``out_dir`` at its last checkpoint, ready to :meth:`fit` on (after any
-        interruption). The work after the last checkpoint (at most the current period) is done
-        again; given the same data the run ends as an uninterrupted one would. A run that had
-        not reached its first checkpoint starts over. A ``deadline_s`` counts from the resume.
-        The model is reloaded from the path in ``run.json``; in-memory data must be given again.
+    def resume(cls, out_dir: str | os.PathLike, **kwargs) -> ElasticTrainer:
+        """The run in the run directory ``out_dir`` at its last checkpoint, ready to
+        :meth:`fit` on (:func:`etgraph.loop.resume_trainer`: keyword arguments and errors)."""
+        from .loop import resume_trainer
 
-        Args:
-            epochs: extend the run (finished or not) to this many epochs (more than its own);
-                the cosine learning-rate schedule then spans the new total. ``run.json`` records
-                the new configuration.
-
-        Raises:
-            CheckpointError: ``out_dir`` holds no run, or its checkpoint is corrupt or of
-                another configuration or model.
-            ConfigError: ``epochs`` fewer than the run's.
-            ModelError, ProfileMismatchError, DataError: the model, profile or data recorded for
-                the run can no longer be used.
-        """
-        out = Path(out_dir)
-        model_path, config, artifacts_root = rundir.read_run_file(out, TrainConfig.from_json)
-        accepted = [config.digest(), *rundir.read_earlier_hashes(out)]
-        if epochs is not None and epochs != config.epochs:
-            if not epochs > config.epochs:
-                raise ConfigError(
-                    f"--epochs {epochs} with --resume extends a run: give more than its "
-                    f"{config.epochs} epochs"
-                )
-            config = dataclasses.replace(config, epochs=epochs).validate()
-            rundir.write_run_file(
-                out,
-                model=model_path,
-                config=config.to_json(),
-                config_hash=config.digest(),
-                artifacts_root=artifacts_root,
-                task=rundir.read_run_task(out),
-                earlier_hashes=accepted,
-            )
-        profile = Profile.load(out / rundir.PROFILE_FILE)
-        task = rundir.read_run_task(out)
-        model = LoadedModel.load(model_path, output=task.get("output"), loss=task.get("loss", "ce"))
-        memory_file = out / rundir.MEMORY_FILE
-        memory_profile = MemoryProfile.load(memory_file) if memory_file.is_file() else None
-        trainer = cls(
-            model,
-            profile,
-            config,
-            data=data,
-            val_data=val_data,
-            out_dir=out,
-            callbacks=callbacks,
-            progress=progress,
-            memory_profile=memory_profile,
-            artifacts_root=artifacts_root,
-            _resuming=True,
-        )
-        rundir.remove_temporaries(out)
-        if trainer.dataset.class_names:  # the same mapping again (a kill may have come first)
-            save_class_names(out, trainer.dataset.class_names)
-        if artifacts_root is None:  # the run's own cache (a shared one may be in use)
-            trainer.cache.remove_temporaries()
-        trainer.callbacks.insert(0, _RunDirectoryLog(out))
-        if not (out / rundir.CHECKPOINT_FILE).exists():
-            log.info("no checkpoint in %s yet: restarting the run", out)
-            if progress:
-                tqdm.write(f"no checkpoint in {out} yet: the run starts over")
-            rundir.start_log(out)
-            trainer._carried = trainer._initial_state()
-            return trainer
-        carried, epoch = rundir.read_run_checkpoint(out, model, accepted + [config.digest()])
-        trainer.source_model = None
-        del model
-        if trainer.bounded:  # checked; the run reads the file itself (the state is never held)
-            carried = out / rundir.CHECKPOINT_FILE
-            gc.collect()
-        trainer._carried = carried
-        trainer.records = rundir.truncate_log(out, epoch)
-        trainer.epoch, trainer.global_step = epoch, epoch * trainer.steps_per_epoch
-        log.info("resuming %s at epoch %d of %d", out, epoch, config.epochs)
-        if progress:  # the user sees where the run continues from
-            tqdm.write(
-                f"resuming {out} after epoch {epoch} of {config.epochs} (its last checkpoint)"
-            )
-        return trainer
+        return resume_trainer(out_dir, **kwargs)
 
     # -- the whole run --------------------------------------------------------------------------
 
@@ -489,7 +318,6 @@ class ElasticTrainer:
             period, carried, self.records, self.rho, self._session, self._mask
         )
         self._session, self._mask, self.fit_model = chosen.session, chosen.mask, chosen.fit
-        self._predicted_peak_mb = chosen.predicted_peak_mb
         self._since_set.update(np.asarray(self.names)[chosen.mask].tolist())
         self._period = PeriodInfo(
             period=period,
@@ -501,6 +329,9 @@ class ElasticTrainer:
             importance=chosen.importance,
             predicted_step_us=self.profile.predicted_step_us(chosen.mask),
             timings=chosen.timings,
+            predicted_peak_mb=chosen.predicted_peak_mb
+            if chosen.predicted_peak_mb is not None or self.memory_profile is None
+            else self.memory_profile.peak_mb(chosen.mask),
         )
         self._pending_timings = chosen.timings
         for callback in self.callbacks:
@@ -581,25 +412,16 @@ class ElasticTrainer:
             t0 = time.perf_counter()
             reference = self.controller.reference_session()  # the first epoch opens it
             setup_s = time.perf_counter() - t0
-            reference_at = self._reference_steps_at(epoch, info)
-        bar = tqdm(
-            total=self.steps_per_epoch,
-            desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            disable=not self.progress,
-            leave=False,
-            unit="step",
-        )
-
-        def shown(steps: EpochSteps) -> None:
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{np.mean(steps.losses):.3f}",
-                acc=f"{steps.correct / steps.seen:.3f}",
-                refresh=False,
+            reference_at = reference_steps_at(
+                epoch,
+                info.first_epoch,
+                info.end_epoch,
+                self.steps_per_epoch,
+                cfg.reference_budget,
+                self.rho,
             )
 
         def diverged(step: int, loss: float, lr: float) -> None:
-            bar.close()
             self._diverged(epoch, period, step, loss, lr)
 
         steps = train_steps(
@@ -609,27 +431,24 @@ class ElasticTrainer:
             self.global_step,
             reference=reference,
             reference_at=reference_at,
-            on_step=shown,
             on_nonfinite=diverged,
+            progress=f"epoch {epoch + 1}/{cfg.epochs}" if self.progress else None,
+            total=self.steps_per_epoch,
         )
-        bar.close()
         fresh, session.fresh = session.fresh, False
         t_val = time.perf_counter()
-        val_loss, val_metric = session.evaluate(self._val_batches(), cfg.batch_size)
-        val_s = time.perf_counter() - t_val
-        probe_s, chose = self.options.take_epoch_fields()
-        choice = self.options.choice
+        val_loss, val_metric = session.evaluate(self.val_batches(), cfg.batch_size)
+        val = (val_loss, val_metric, time.perf_counter() - t_val)
         record = epoch_record(
             steps,
             epoch=epoch,
             period=period,
             fresh_session=fresh,
             mask=self._mask,
-            val=(val_loss, val_metric, val_s),
+            val=val,
             classify=self.model.task.loss == "ce",
             timings=self._pending_timings,
             reference_setup_s=setup_s,
-            probe_s=probe_s,
             previous_s=self.records[-1]["cumulative_wall_time_s"] if self.records else 0.0,
             reference="measured"
             if reference is not None
@@ -639,17 +458,8 @@ class ElasticTrainer:
             fit=self.fit_model,
             rho=self.rho,
             peak_rss_mb=peak_rss_mb(),
-            predicted_peak_mb=self._predicted_peak_mb
-            if self._predicted_peak_mb is not None
-            else None
-            if self.memory_profile is None
-            else self.memory_profile.peak_mb(self._mask),
-            ort={
-                "ort_config": choice.label,
-                "ort_probe_s": probe_s,
-                "ort_probe_step_ms": dict(choice.step_ms) if chose and choice.step_ms else None,
-                "ort_note": choice.note if chose else "",
-            },
+            predicted_peak_mb=info.predicted_peak_mb,
+            ort=self.options.record_fields(),
         )
         self._pending_timings = None  # the period start is charged to its first epoch only
         self.records.append(asdict(record))
@@ -667,16 +477,6 @@ class ElasticTrainer:
         if self.epoch >= info.end_epoch:
             self.end_period()
         return self.records[-1]
-
-    def _reference_steps_at(self, epoch: int, info: PeriodInfo) -> frozenset[int]:
-        """Steps of ``epoch`` (0-based) after which a full reference step runs
-        (:func:`etgraph.clock.period_reference_positions` of its period)."""
-        first = info.period * self.config.period
-        epochs = min(first + self.config.period, self.config.epochs) - first
-        positions = period_reference_positions(
-            self.steps_per_epoch, epochs, self.config.reference_budget, self.rho
-        )
-        return positions[epoch - first]
 
     def _diverged(self, epoch: int, period: int, step: int, loss: float, lr: float) -> None:
         """Stop the run at the first non-finite loss (epoch 0-based, step 1-based): one line that
@@ -739,19 +539,24 @@ class ElasticTrainer:
 
     # -- weights --------------------------------------------------------------------------------
 
-    def _state(self) -> CarriedState:
-        """The current state (weights, moments, step), read from the open session through a
-        checkpoint written to the work directory, else the carried one."""
+    def _state_file(self) -> Path:
+        """A checkpoint file of the current state (weights, moments, step): the open session's
+        saved to the work directory, else the carried state's file (written there if held)."""
+        path = self.work_dir / "state.ckpt"
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         if self._session is not None and self._session.module is not None:
-            path = self.work_dir / "state.ckpt"
-            self.work_dir.mkdir(parents=True, exist_ok=True)
             self._session.save(path, {})
-            state, _, _ = read_checkpoint(path)
-            path.unlink()
-            return state
-        if isinstance(self._carried, Path):
-            return read_checkpoint(self._carried)[0]
-        return self._carried
+        elif isinstance(self._carried, Path):
+            return self._carried
+        else:
+            write_checkpoint(path, self._carried, sorted(self._carried.moments))
+        return path
+
+    def _state(self) -> CarriedState:
+        """The current state (weights, moments, step)."""
+        if self._session is None and isinstance(self._carried, CarriedState):
+            return self._carried
+        return read_checkpoint(self._state_file())[0]
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current value of every parameter: each trainable tensor (kernel, bias,
@@ -770,22 +575,7 @@ class ElasticTrainer:
             ConfigError: an unknown name, or an array of another shape or dtype than the
                 initializer's.
         """
-        specs = {i.name: i for i in self.model.proto.graph.initializer}
-        params = set(self.names) | set(self.model.running_stats)
-        state = self._state()
-        for name, value in weights.items():
-            if name not in params:
-                raise ConfigError(f"{name!r} is not a parameter of the model: use get_weights()'s")
-            value = np.asarray(value)
-            dims = tuple(specs[name].dims)
-            dtype = helper.tensor_dtype_to_np_dtype(specs[name].data_type)
-            if value.shape != dims or value.dtype != dtype:
-                raise ConfigError(
-                    f"{name!r} is {dtype} {list(dims)}; got {value.dtype} {list(value.shape)}"
-                )
-            state.weights[name] = np.array(value, copy=True)
-            if reset_moments:
-                state.moments.pop(name, None)
+        state = self._state().updated(weights, self.model.proto, reset_moments=reset_moments)
         self._carried = state
         if self.bounded:  # the state lives in a file (with the moments it has)
             path = self.work_dir / "set.ckpt"
@@ -819,105 +609,45 @@ class ElasticTrainer:
             DataError: ``data`` does not fit the model.
         """
         cfg = self.config
-        batches = self._val_batches()
+        batches = self.val_batches()
         if data is not None:
             batches = self._load_data(data, all_val=True).val_batches(cfg.batch_size)
         if self._mask is None:  # nothing selected yet: the output layer's (cheapest) session
-            self._mask = strategy_mask(
-                "last-layer", list(self.model.tensors), self.profile, self.rho, None
-            )
+            self._mask = self._cheapest_mask()
         return self._ensure_session().evaluate(batches, cfg.batch_size)
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write the trained inference model (the user's interface: symbolic batch, the head
-        legalisation took off restored, the other outputs when ``--output`` picked one, class
-        names in ``metadata_props``) with the current weights, atomically.
+        """Write the trained inference model with the current weights, atomically
+        (:func:`etgraph.export.export_trained`: the user's interface — symbolic batch, the head
+        legalisation took off, the other outputs when one of several was trained, class names
+        in ``metadata_props``).
 
         Returns:
             ``path``.
         """
-        path = Path(path)
-        partial = path.with_name(f"{temporary_prefix(path.name)}partial")  # hidden until done
-        if self._session is not None and self._session.module is not None:
-            ckpt = self.work_dir / "export.ckpt"
-            self.work_dir.mkdir(parents=True, exist_ok=True)
-            self._session.save(ckpt, {})
-            mask = self._mask
-        else:  # the carried state, as the last period's end saved it
-            ckpt = self._carried if isinstance(self._carried, Path) else None
-            if ckpt is None:
-                ckpt = self.work_dir / "export.ckpt"
-                self.work_dir.mkdir(parents=True, exist_ok=True)
-                write_checkpoint(ckpt, self._carried, [])
-            _, requires_grad, _ = read_checkpoint(ckpt, copy=False, moments=False)
-            selected = set(requires_grad)
-            mask = self._mask
-            if selected:
-                mask = np.array([n in selected for n in self.names])
-            if mask is None:
-                mask = strategy_mask(
-                    "last-layer", list(self.model.tensors), self.profile, self.rho, None
-                )
+        ckpt = self._state_file()
+        mask = self._mask
+        if mask is None:  # the eval graph of any selection serves: the cheapest
+            mask = self._cheapest_mask()
         paths, _, _ = self.controller.artifacts(mask)
-        labelled = onnx.ModelProto()
-        if self.dataset.class_names:  # a prediction reads back as a label (metadata_props)
-            set_class_names(labelled, self.dataset.class_names)
-        metadata = {p.key: p.value for p in labelled.metadata_props}
-        export_inference_model(paths.eval_model, ckpt, partial, [self.model.output_name], metadata)
-        # the artifacts' batch size was fixed (the cache); the original output meaning
-        restore_exported(partial, self.model.head)
-        memory_log("export")
-        if self._export_original_outputs(partial) and self.dataset.class_names:
-            stamp_onnx(partial, self.dataset.class_names)  # the original's file had none
-        os.replace(partial, path)  # a user never picks up a half-made model
-        return path
+        return export_trained(
+            self.model, paths.eval_model, ckpt, Path(path), self.dataset.class_names
+        )
 
-    def _export_original_outputs(self, trained: Path) -> bool:
-        """When ``--output`` picked one of several outputs: the exported model becomes the
-        original model (all its outputs) with the trained weights, if the original file is
-        still there and holds its weights as initializers; else it keeps the trained output
-        only (logged). Returns whether the file was rewritten from the original."""
-        from .errors import ModelError
-
-        recorded = original_outputs(self.model.proto)
-        if recorded is None:
-            return False
-        names, source = recorded
-        try:
-            export_with_original_outputs(
-                trained, source, set(self.names) | set(self.model.running_stats)
-            )
-        except ModelError as exc:
-            log.warning(
-                "%s; %s has the trained output %r only", exc, trained, self.model.output_name
-            )
-            return False
-        log.info("exported %s with the original outputs %s", trained, names)
-        return True
+    def _cheapest_mask(self) -> np.ndarray:
+        """The output layer's selection (:data:`etgraph.selection.STRATEGIES` ``last-layer``):
+        what evaluation and export use before any period has selected."""
+        return strategy_mask("last-layer", list(self.model.tensors), self.profile, self.rho, None)
 
     def _finish(self) -> rundir.TrainResult:
-        """The run's end: with a run directory export ``model_trained.onnx`` from the last
-        checkpoint (no session: the weights held once), score it, plot, write the summary and
-        remove the session directory; without one only the summary."""
+        """The run's summary; with a run directory first its end (:func:`etgraph.loop.
+        finish_run`: the exported and scored model, plots, ``summary.json``)."""
         cfg = self.config
         inference_acc, trained = float("nan"), ""
         if self.out is not None:
-            trained = str(self.export(self.out / rundir.TRAINED_MODEL_FILE))
-            _, inference_acc = evaluate_onnx(
-                trained,
-                self._val_batches(),
-                cfg.batch_size,
-                loss=self.model.task.loss,
-                output=self.model.output_name,
-            )
-            if self.model.task.loss != "ce":  # the metric is the MSE: no accuracy
-                inference_acc = float("nan")
-            memory_log("scoring the exported model")
-            from .plots import plot_run  # matplotlib only at the end of a run
+            from .loop import finish_run
 
-            with contextlib.suppress(Exception):
-                plot_run(self.out)
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+            trained, inference_acc = finish_run(self)
         result = rundir.summarize(
             self.out if self.out is not None else Path(""),
             self.records,
@@ -938,36 +668,16 @@ class ElasticTrainer:
     def _load_data(self, data, **kwargs) -> Dataset | ArrayDataset:
         return load_run_data(self.config, self.model, self.input_shapes, data, **kwargs)
 
-    def _val_batches(self) -> Iterator:
+    def val_batches(self) -> Iterator:
+        """The validation batches (at most ``config.max_val_batches``)."""
         batches = self.dataset.val_batches(self.config.batch_size)
-        limit = self.config.max_val_batches
-        for i, batch in enumerate(batches):
-            if limit is not None and i >= limit:
-                return
-            yield batch
+        return itertools.islice(batches, self.config.max_val_batches)
 
     def _train_batches(self, epoch: int) -> Iterator:
-        cfg = self.config
-        batches = self.dataset.train_batches(cfg.batch_size, seed=cfg.seed * 1000 + epoch)
-        for i, batch in enumerate(batches):
-            if i >= self.steps_per_epoch:
-                return
-            yield batch
-
-    def _full_step_now_s(self, steps: int = 3) -> float:
-        """Median wall time (s) of ``steps`` full steps of the (warm) reference session on a
-        probe batch: the machine's speed at the start of a deadline run. Under a memory budget
-        (no full session fits) the profile's measured full step."""
-        if self.bounded:
-            return self.profile.measured_full_step_us * 1e-6
-        reference = self.controller.reference_session()
-        x, y = self.controller.probe_batches(0)[0]
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            reference.train_step(x, y, 0.0)
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+        """Epoch ``epoch``'s shuffled training batches (seed ``seed * 1000 + epoch``)."""
+        seed = self.config.seed * 1000 + epoch
+        batches = self.dataset.train_batches(self.config.batch_size, seed=seed)
+        return itertools.islice(batches, self.steps_per_epoch)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -977,8 +687,7 @@ class ElasticTrainer:
         self._session = None
         self.controller.close()
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+            self._tmp.cleanup()
 
     def __enter__(self) -> ElasticTrainer:
         return self
@@ -986,78 +695,6 @@ class ElasticTrainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            if self._tmp is not None:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def load_run_data(
-    config: TrainConfig,
-    model: LoadedModel,
-    shapes: Mapping[str, Sequence[int]],
-    data=None,
-    **kwargs,
-) -> Dataset | ArrayDataset:
-    """The data of a run of ``config`` on ``model`` at per-example input ``shapes``: ``data``
-    in any form :func:`etgraph.data.as_dataset` takes, or ``config.data`` (a spec; None: the
-    embedded digits task) with the run's tokenizer, split and preprocessing. Keyword arguments
-    go to :func:`etgraph.data.as_dataset` (``val_data``, ``all_val``).
-
-    Raises:
-        DataError: as :func:`etgraph.data.as_dataset`.
-    """
-    return as_dataset(
-        data,
-        inputs=model.inputs,
-        shapes=shapes,
-        task=model.task,
-        spec=config.data,
-        tokenizer=config.tokenizer,
-        val_fraction=config.val_fraction,
-        seed=config.seed,
-        preprocess=config.preprocess,
-        **kwargs,
-    )
-
-
-def _check_memory_profile(config: TrainConfig, memory_profile: MemoryProfile | None) -> None:
-    """Raise ConfigError/ProfileMismatchError when the memory model cannot serve the run."""
-    if config.memory_mb is not None and memory_profile is None:
-        raise ConfigError("--memory-mb needs the model's memory profile: compile with it")
-    if memory_profile is not None and memory_profile.frozen_bn != config.frozen_bn:
-        raise ProfileMismatchError(
-            f"memory profile is of --frozen-bn {memory_profile.frozen_bn}, not "
-            f"{config.frozen_bn}: measure it in the run's mode (etgraph.memory_profiler)"
-        )
-
-
-def _check_profile(profile: Profile, model: LoadedModel, config: TrainConfig, shapes) -> None:
-    """Raise ProfileMismatchError when ``profile`` is not of this model, batch and shapes."""
-    profile.check_matches(
-        model.hash, batch_size=config.batch_size, input_shapes=shapes, loss=model.task.loss
-    )
-    if list(profile.tensors) != model.names:
-        raise ProfileMismatchError(
-            f"the profile lists {len(profile.tensors)} tensors that differ from the "
-            f"{len(model.names)} of {model.source.resolve()}: re-run `etgraph profile` for "
-            "this model"
-        )
-
-
-def _steps_per_epoch(dataset, config: TrainConfig) -> int:
-    """Training steps per epoch (full batches, capped by ``max_steps_per_epoch``).
-
-    Raises:
-        DataError: fewer training examples than one batch.
-    """
-    steps = dataset.steps_per_epoch(config.batch_size)
-    if steps < 1:
-        raise DataError(
-            f"dataset {dataset.name} has {dataset.n_train} training examples, "
-            f"fewer than the batch size {config.batch_size}: add examples (part of them "
-            "are held out for validation) or lower --batch-size (compile again at it)"
-        )
-    if config.max_steps_per_epoch is not None:
-        steps = min(steps, config.max_steps_per_epoch)
-    return steps
+    def __del__(self):  # a TemporaryDirectory cleans itself up too; not later than this
+        if getattr(self, "_tmp", None) is not None:
+            self._tmp.cleanup()

@@ -147,7 +147,7 @@ def test_period_epoch_and_step_levels_and_weights_in_and_out(
         exported = trainer.export(tmp_path / "model.onnx")
         from etgraph.sessions import evaluate_onnx
 
-        _, exported_acc = evaluate_onnx(exported, trainer._val_batches(), 4)
+        _, exported_acc = evaluate_onnx(exported, trainer.val_batches(), 4)
         assert exported_acc == pytest.approx(acc)
         with pytest.raises(etgraph.ConfigError, match="not a parameter"):
             trainer.set_weights({"nope": np.zeros(1, np.float32)})
