@@ -199,7 +199,7 @@ def test_closed_loop_run_logs_measured_alike_figures(tmp_path, default_profile, 
 
 
 def test_deadline_parsing_and_config():
-    from etgraph.cli import parse_duration
+    from etgraph.cli_options import parse_duration
     from etgraph.config import TrainConfig
     from etgraph.errors import ConfigError
 

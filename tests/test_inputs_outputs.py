@@ -20,7 +20,7 @@ import pytest
 from helpers import assert_user_error, make_model, random_initializer, run_cli_in_process
 from onnx import TensorProto, helper
 
-from etgraph import cli
+from etgraph import cli_options
 from etgraph.data import load_npz_dataset, load_task_data
 from etgraph.dumps import read_graph
 from etgraph.errors import ConfigError, DataError
@@ -280,7 +280,7 @@ def test_loss_fits_the_output(tmp_path):
 
 
 def test_cli_losses_are_the_models():
-    assert cli.CLI_LOSSES == LOSSES
+    assert cli_options.CLI_LOSSES == LOSSES
 
 
 # ---- --data FILE.npz -----------------------------------------------------------------------------

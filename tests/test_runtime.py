@@ -179,7 +179,8 @@ def test_run_file_round_trip_and_errors(tmp_path):
     model, again, root = rundir.read_run_file(out, TrainConfig.from_json)
     assert (model, again, root) == (tmp_path / "m.onnx", config, None)
     info = json.loads((out / "run.json").read_text())
-    assert list(info) == ["model", "config", "config_hash", "artifacts_root", "task"]
+    assert list(info) == ["model", "config", "config_hash", "artifacts_root", "task",
+                          "earlier_config_hashes"]  # fmt: skip
 
     (out / "run.json").write_text(json.dumps({**info, "config": {**info["config"], "rho": 0.5}}))
     with pytest.raises(CheckpointError, match="config hash differs"):
