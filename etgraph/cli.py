@@ -168,7 +168,11 @@ def _internal_cause(exc: BaseException) -> str:
     type=click.Path(file_okay=False),
     help="Directory for graph.<fmt> [TARGET dir, or <model>_graph/ next to the model].",
 )
-@click.option("--render", is_flag=True, help="Render the DOT dump to SVG with Graphviz.")
+@click.option(
+    "--render",
+    is_flag=True,
+    help="Render the DOT dump to SVG with Graphviz (without it: the tensor chain to chain.png).",
+)
 @click.option("--passes", "show_passes", is_flag=True, help="Print the pass pipeline and exit.")
 @output_option
 @loss_option
@@ -236,9 +240,13 @@ def inspect_command(
     for f in formats:
         written = dumps.write_graph(tensor_graph, Path(out_dir) / f"graph.{f}", f)
         click.echo(f"wrote {written}")
-        if f == "dot" and render:
-            image = dumps.render_dot(written, "svg")
-            click.echo(f"wrote {image}" if image else "note: no graphviz 'dot': not rendered")
+        if f == "dot" and render and (image := dumps.render_dot(written, "svg")) is not None:
+            click.echo(f"wrote {image}")
+        elif f == "dot" and render:  # no Graphviz: the tensor chain drawn with matplotlib
+            from .plots import plot_tensor_chain
+
+            chain = plot_tensor_chain(graph.tensor_table(tensor_graph), Path(out_dir) / "chain.png")
+            click.echo(f"wrote {chain} (no graphviz 'dot' for the full graph: the tensor chain)")
     if render and "dot" not in formats:
         click.echo("note: --render needs --format dot or all")
 

@@ -22,8 +22,8 @@ def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
         assert (out / f"graph.{fmt}").is_file()
     if shutil.which("dot"):
         assert (out / "graph.svg").is_file()
-    else:
-        assert "not rendered" in proc.stdout
+    else:  # the tensor chain, drawn with matplotlib
+        assert "chain.png" in proc.stdout and (out / "chain.png").stat().st_size > 1000
     graph = read_graph(out / "graph.json")
     assert len(charges(graph)) == graph.graph["num_ops"]
 
@@ -83,3 +83,46 @@ def test_inspect_without_target_is_a_usage_error():
     assert proc.stderr.strip() == (
         "etgraph: error: Missing argument 'TARGET'. (see `etgraph inspect --help`)"
     )
+
+
+def test_pictures_name_tensors_and_keep_one_colour_per_series(tmp_path):
+    """selection.png names the tensors (their layer groups on a large model); curves.png draws
+    validation and training in the same colour in both panels."""
+    from matplotlib.figure import Figure
+
+    from etgraph import plots
+
+    ax = Figure().subplots()
+    plots._name_ticks(ax, ["a.weight", "a.bias", "b.weight"], 3)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a.weight", "a.bias", "b.weight"]
+    names = [f"layer{i // 2}.{'weight' if i % 2 == 0 else 'bias'}" for i in range(100)]
+    ax = Figure().subplots()
+    plots._name_ticks(ax, names, 100)
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[:2] == ["layer0", "layer1"] and len(labels) == 50  # a name per layer
+    records = [
+        {
+            "cumulative_wall_time_s": t,
+            "val_acc": 0.5,
+            "train_acc": 0.4,
+            "train_loss": 1.0,
+            "val_loss": 1.1,
+        }  # fmt: skip
+        for t in (1.0, 2.0)
+    ]
+    drawn = []
+    real = plots._figure
+
+    def spy(size):
+        drawn.append(real(size))
+        return drawn[-1]
+
+    plots._figure, saved = spy, plots._figure
+    try:
+        plots.plot_curves(records, tmp_path / "curves.png")
+    finally:
+        plots._figure = saved
+    colours = [
+        {line.get_label(): line.get_color() for line in ax.get_lines()} for ax in drawn[0].axes
+    ]
+    assert colours[0] == colours[1] and colours[0]["validation"] != colours[0]["training"]
