@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .cli_options import (
+    given,
     given_options,
     input_shape_option,
     loss_option,
@@ -120,10 +121,10 @@ def train_command(ctx: click.Context, model, **opts):
 
     progress = not opts["quiet"]
     if opts["resume_dir"] is not None:
-        given = given_options(ctx, allowed=("resume_dir", "quiet", "verbose", "epochs"))
-        if given:
+        extra = given_options(ctx, allowed=("resume_dir", "quiet", "verbose", "epochs"))
+        if extra:
             raise ConfigError(
-                f"--resume DIR continues a run as configured: drop {', '.join(given)} (or start "
+                f"--resume DIR continues a run as configured: drop {', '.join(extra)} (or start "
                 "a new run with another --out)"
             )
         epochs = opts["epochs"] if given(ctx, "epochs") else None

@@ -42,7 +42,7 @@ from . import timing
 from .artifacts import check_frozen_bn
 from .config import TrainConfig
 from .data import DEFAULT_PREPROCESS, Preprocess, make_preprocess
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, ProfileMismatchError
 from .files import (
     atomic_target,
     check_outputs,
@@ -359,8 +359,8 @@ class Plan:
 
         Raises:
             ModelError: not a compiled directory, or an unfinished compile (no ``plan.json``).
-            ConfigError, ProfileMismatchError: its files are unreadable or do not belong
-                together.
+            ConfigError: its files are unreadable.
+            ProfileMismatchError: its profile is of another model (the model was replaced).
         """
         source = Path(directory)
         if not (source / MODEL_FILE).is_file():
@@ -376,6 +376,10 @@ class Plan:
             )
         profile = Profile.load(source / PROFILE_FILE)
         model = LoadedModel.load(source / MODEL_FILE, loss=profile.loss)
+        try:  # the directory's files belong together
+            profile.check_matches(model.hash)
+        except ProfileMismatchError as exc:
+            raise ProfileMismatchError(f"{source / PROFILE_FILE}: {exc}") from exc
         try:  # a field missing from an older (or hand-written) plan gets its default
             rows = plan.get("tensors") or []
             trainable = set(plan.get("trainable_params") or [])

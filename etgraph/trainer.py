@@ -627,7 +627,10 @@ class ElasticTrainer:
         """
         ckpt = self._state_file()
         mask = self._mask
-        if mask is None:  # the eval graph of any selection serves: the cheapest
+        if mask is None:  # the checkpoint's selection (a finished run resumed), else the cheapest
+            trained = set(read_checkpoint(ckpt, copy=False, moments=False)[1])
+            mask = np.array([n in trained for n in self.names]) if trained else None
+        if mask is None:
             mask = self._cheapest_mask()
         paths, _, _ = self.controller.artifacts(mask)
         return export_trained(

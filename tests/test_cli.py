@@ -34,7 +34,9 @@ def test_interrupted_train_says_how_to_continue(monkeypatch, capsys, tmp_path):
     def interrupted(*_, **__):
         raise click.exceptions.Abort
 
-    monkeypatch.setattr(cli_module, "_train_model", interrupted)
+    from etgraph import cli_train
+
+    monkeypatch.setattr(cli_train, "_train_model", interrupted)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "run.json").write_text("{}")
     with pytest.raises(SystemExit, match="130"):
