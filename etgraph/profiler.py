@@ -95,25 +95,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from . import graph
 from .artifacts import (
     ArtifactCache,
-    inference_batch_norms,
-    no_gradient_error,
-    placeholder_weights,
-    save_baked,
-    training_graphs,
 )
-from .errors import ConfigError, ModelError, first_line
+from .errors import ConfigError
 from .files import ensure_writable_dir, private_temp_dir
 from .fold import (
     batch_norm_modes,
@@ -121,24 +113,23 @@ from .fold import (
     charge_node_times,
     fit_optimizer,
     forward_us_by_anchor,
-    fused_grad_parts,
-    optimizer_subsets,
     saved_forward_fraction,
 )
 from .host import freeze_gc, host_description, physical_cores
 from .measure import (
-    Batch,
-    OptimizerSubsets,
-    ProfiledGraph,
-    TrainStep,
     measure_node_overhead_us,
     random_batch,
-    reproduced,
-    round_robin,
     step_clock,
 )
-from .model import LoadedModel, TensorInfo, exported_batch_hint
-from .profile import Profile, format_shapes, profile_key
+from .model import LoadedModel, exported_batch_hint
+from .profile import Profile, profile_key
+from .profile_levels import (
+    Measured,
+    batch_norm_layers,
+    measure_fast,
+    measure_thorough,
+    selection_mask,
+)
 from .timing import BranchCharges, backward_us, step_us
 
 log = logging.getLogger(__name__)
@@ -152,17 +143,6 @@ LEVELS: dict[str, tuple[int, int]] = {"fast": (3, 1), "thorough": (10, 3)}
 #: The level ``etgraph compile/profile/train`` use unless ``--profile-level`` says otherwise.
 DEFAULT_LEVEL = "fast"
 
-#: Fast level: more rounds follow its ``repeats`` until two rounds' wall times agree within this
-#: relative tolerance (:func:`etgraph.measure.reproduced`), up to :data:`FAST_MAX_REPEATS`.
-REPRODUCED_TOLERANCE = 0.03
-FAST_MAX_REPEATS = 10
-
-#: Fast level: the statistic of a node's (and a run's) times is their minimum, not the 20th
-#: percentile: of 3-10 runs on a busy machine, one run of a node stalled by a scheduler time
-#: slice (10-30 ms on a 0.02-1 ms kernel, seen at load 9) moves any interpolated quantile; other
-#: processes only ever add time.
-FAST_QUANTILE = 0.0
-
 
 def check_level(level: str) -> str:
     """Return ``level`` if it is one of :data:`LEVELS`.
@@ -173,10 +153,6 @@ def check_level(level: str) -> str:
     if level not in LEVELS:
         raise ConfigError(f"unknown profile level {level!r}: choose one of {', '.join(LEVELS)}")
     return level
-
-
-#: Configurations whose batch norms with frozen gamma and beta run in inference mode.
-_INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference"})
 
 
 def profile_model(
@@ -315,292 +291,6 @@ def profile_model(
     return prof
 
 
-def _configurations(tensors: Sequence[TensorInfo]) -> dict[str, list[int]]:
-    """Sets of trainable tensor indices to profile: ``full``, ``no_kernels`` (when the model
-    has kernels and other tensors), ``first_only`` (when N > 1)."""
-    n = len(tensors)
-    configs = {"full": list(range(n))}
-    no_kernels = [t.index for t in tensors if t.kind != "kernel"]
-    if no_kernels and len(no_kernels) < n:
-        configs["no_kernels"] = no_kernels
-    if n > 1:
-        configs["first_only"] = [0]
-    return configs
-
-
-def _batch_norm_layers(
-    model: LoadedModel, requires_grad: Sequence[str]
-) -> list[tuple[str, int, int]]:
-    """``(node name, gamma index, beta index)`` of every batch norm that ``--frozen-bn
-    inference`` puts in inference mode when ``requires_grad`` train (both its gamma and beta
-    are trainable tensors, neither in ``requires_grad``)."""
-    index = {t.name: t.index for t in model.tensors}
-    nodes = {n.name: n for n in model.proto.graph.node}
-    layers = []
-    for name in inference_batch_norms(model.proto, list(requires_grad), "inference"):
-        gamma, beta = nodes[name].input[1:3]
-        if gamma in index and beta in index:
-            layers.append((name, index[gamma], index[beta]))
-    return layers
-
-
-def _mask(n: int, selected: Sequence[int]) -> np.ndarray:
-    mask = np.zeros(n, dtype=bool)
-    mask[list(selected)] = True
-    return mask
-
-
-@dataclass
-class _Measured:
-    """What one profiling level measured, for :func:`_fold`.
-
-    Attributes:
-        masks: selection mask (bool [N]) per configuration measured.
-        node_times: ``{configuration: {node: NodeTiming}}`` of the train-mode profiled graphs
-            (``"full"`` first; the others split fused nodes).
-        bn_times: node times of a graph with the batch norms of ``bn_layers`` in inference mode.
-        steps: measured step per configuration, µs.
-        calibrate: the configurations :func:`etgraph.fold.calibrate` averages over.
-        frozen_bn: batch-norm mode per configuration whose step was measured in inference mode.
-        observations: ``(count, elements, µs)`` of the optimizer subsets.
-        full_training_model: the all-trainable training graph (path or ModelProto).
-        trace_us: what ORT's per-node trace adds to a run, µs per node (fast level; 0 when
-            steps are timed by the training API).
-        repeats: measured rounds when more than asked were run (fast level), else None.
-    """
-
-    masks: dict[str, np.ndarray]
-    node_times: dict[str, dict]
-    bn_times: dict | None
-    steps: dict[str, float]
-    calibrate: list[str]
-    frozen_bn: dict[str, str]
-    observations: list
-    full_training_model: object
-    trace_us: float = 0.0
-    repeats: int | None = None
-
-
-def _ort_error(exc: Exception, batch: Batch) -> Exception:
-    """The one-line :class:`ModelError` for an ORT failure at the batch's input shapes; other
-    errors as they are."""
-    if not (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("onnxruntime")):
-        return exc
-    unsupported = no_gradient_error(exc)
-    if unsupported is not None:
-        return unsupported
-    shapes = {name: a.shape[1:] for name, a in batch.inputs.items()}
-    size = next(iter(batch.inputs.values())).shape[0]
-    return ModelError(
-        f"onnxruntime cannot run the model at input shape {format_shapes(shapes)}, batch "
-        f"{size} ({first_line(exc)[-300:]}): pass the shape it was exported for with "
-        "--input-shape"
-    )
-
-
-def _measure_thorough(
-    model: LoadedModel,
-    model_b,
-    batch,
-    weights,
-    bn_layers,
-    *,
-    repeats: int,
-    warmup: int,
-    threads: int,
-    clock: str,
-    work: Path,
-    cache: ArtifactCache,
-) -> _Measured:
-    """Level ``thorough``: artifacts per configuration, profiled graphs AND real training-API
-    steps of each, the optimizer on seven subsets (module docstring, steps 1-6)."""
-    names = model.names
-    n = len(names)
-    loss = model.task.loss
-    configs = _configurations(model.tensors)
-    masks = {c: _mask(n, sel) for c, sel in configs.items()}
-    if n > 2:  # only the last tensor trainable: the forward runs almost as inference
-        masks["last_only"] = _mask(n, [n - 1])
-    bn_tensors = {i for _, g, b in bn_layers for i in (g, b)}
-    if bn_layers and len(bn_tensors) < n:  # every batch norm in inference mode
-        masks["bn_inference"] = _mask(n, [i for i in range(n) if i not in bn_tensors])
-        if "last_only" in masks:  # the frozen forward in inference mode (baked: fused)
-            masks["last_only_inference"] = masks["last_only"]
-    art_dirs = {
-        c: cache.get(
-            model_b,
-            *model.split(m),
-            loss=loss,
-            frozen_bn="inference" if c in _INFERENCE_CONFIGS else "train",
-        )[0].directory
-        for c, m in masks.items()
-    }
-    try:  # ORT raises here when the model does not run at this input shape
-        # All measurements interleaved round by round: profiled graphs, real steps, optimizer.
-        graphs = {
-            c: ProfiledGraph(
-                art_dirs[c] / "training_model.onnx", weights, batch, threads=threads, work_dir=work
-            )
-            for c in (*configs, "bn_inference")
-            if c in art_dirs
-        }
-        steps = {c: TrainStep(d, batch, threads=threads, clock=clock) for c, d in art_dirs.items()}
-        params = {name: weights[name].astype(np.float32) for name in names}
-        optimizer = OptimizerSubsets(
-            art_dirs["full"] / "optimizer_model.onnx",
-            params,
-            optimizer_subsets(params),
-            threads=threads,
-            work_dir=work,
-        )
-        runners = [r for c in configs for r in (graphs[c], steps[c])] + [optimizer]
-        if "last_only" in steps:
-            runners.append(steps["last_only"])
-        if "bn_inference" in steps:
-            runners += [graphs["bn_inference"], steps["bn_inference"]]
-        if "last_only_inference" in steps:
-            runners.append(steps["last_only_inference"])
-        round_robin(runners, repeats, warmup)
-    except Exception as exc:
-        raise _ort_error(exc, batch) from exc
-    node_times = {c: g.result(warmup) for c, g in graphs.items()}
-    return _Measured(
-        masks=masks,
-        node_times={c: node_times[c] for c in configs},
-        bn_times=node_times.get("bn_inference"),
-        steps={c: s.result(warmup) for c, s in steps.items()},
-        calibrate=list(configs),
-        frozen_bn={c: "inference" for c in _INFERENCE_CONFIGS if c in masks},
-        observations=optimizer.result(warmup),
-        full_training_model=art_dirs["full"] / "training_model.onnx",
-    )
-
-
-def _has_fused_bias_grad(training_model) -> bool:
-    """Whether a fused gradient node of the training graph (ConvGrad) computes a bias
-    gradient (``db`` part) beside dX and dW."""
-    return any(
-        "db" in fused_grad_parts(node.op_type, node.output) for node in training_model.graph.node
-    )
-
-
-def _measure_fast(
-    model: LoadedModel,
-    model_b,
-    batch,
-    weights,
-    bn_layers,
-    *,
-    repeats: int,
-    warmup: int,
-    threads: int,
-    clock: str,
-    work: Path,
-    node_overhead_us: float,
-    full_artifacts: Path | None,
-) -> _Measured:
-    """Level ``fast`` (module docstring, "Profiling levels"): training graphs built in memory
-    (no checkpoint, no training-API session), profiled graphs only, a step from its graph's
-    runs without the trace (:meth:`etgraph.measure.ProfiledGraph.untraced_time_us`) plus the
-    AdamW fit, the optimizer on four subsets. ``full_artifacts``: a directory holding the
-    all-trainable artifacts already (their graphs are used), or None."""
-    names = model.names
-    n = len(names)
-    loss = model.task.loss
-    masks = {"full": _mask(n, range(n))}
-    light = placeholder_weights(model_b, model.names + model.split(masks["full"])[1])  # once
-    if full_artifacts is not None:
-        full = onnx.load(str(full_artifacts / "training_model.onnx"), load_external_data=False)
-        optimizer_model = full_artifacts / "optimizer_model.onnx"
-    else:
-        full, optimizer_model = training_graphs(light, *model.split(masks["full"]), loss=loss)
-    graphs_in = {"full": full}
-    frozen_bn = {}
-    if n > 1:
-        masks["first_only"] = _mask(n, [0])
-        if bn_layers:  # the batch norms' inference mode is measured in the same graph
-            frozen_bn["first_only"] = "inference"
-        no_kernels = [t.index for t in model.tensors if t.kind != "kernel"]
-        if _has_fused_bias_grad(full) and 0 < len(no_kernels) < n:
-            masks["no_kernels"] = _mask(n, no_kernels)  # splits a fused node's dB from its dX
-    if n > 2:
-        masks["last_only"] = _mask(n, [n - 1])
-        if bn_layers:  # the frozen forward of --frozen-bn inference as training runs it: baked
-            masks["last_only_inference"] = masks["last_only"]
-            frozen_bn["last_only_inference"] = "inference"
-    for c, m in masks.items():
-        if c not in graphs_in:
-            graphs_in[c], _ = training_graphs(
-                light, *model.split(m), loss=loss, frozen_bn=frozen_bn.get(c, "train")
-            )
-    # The last_only steps as training sessions run them: frozen parameters baked in
-    # (etgraph.artifacts.bake_frozen); only their step times are used.
-    for c in ("last_only", "last_only_inference"):
-        if c in graphs_in:
-            graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")
-    params = {name: np.asarray(weights[name], dtype=np.float32) for name in names}
-    zeros: dict[str, np.ndarray] = {}
-    try:
-        graphs = {
-            c: ProfiledGraph(
-                g, weights, batch, threads=threads, work_dir=work, name=c, clock=clock, zeros=zeros
-            )
-            for c, g in graphs_in.items()
-        }
-        optimizer = OptimizerSubsets(
-            optimizer_model,
-            params,
-            optimizer_subsets(params, fast=True),
-            threads=threads,
-            work_dir=work,
-            zeros={},  # not the graphs' buffers: those hold gradients after a run
-        )
-        # Until a round's wall time (every graph once; the clock of the kernel times) is
-        # reproduced: a loaded machine gets more rounds.
-        measured_rounds = round_robin(
-            [*graphs.values(), optimizer],
-            repeats,
-            warmup,
-            until=lambda: reproduced(
-                [sum(r) for r in zip(*(g.wall[warmup:] for g in graphs.values()), strict=True)],
-                REPRODUCED_TOLERANCE,
-            ),
-            max_repeats=max(repeats, FAST_MAX_REPEATS),
-        )
-    except Exception as exc:
-        raise _ort_error(exc, batch) from exc
-    # Every graph's result (it reads the trace); the baked one's nodes are fused: its step only.
-    node_times = {c: g.result(warmup, FAST_QUANTILE) for c, g in graphs.items()}
-    observations = optimizer.result(warmup, FAST_QUANTILE)
-    opt_fit = fit_optimizer(observations)
-    numel = np.array([weights[name].size for name in names], dtype=np.float64)
-    # A step: the graph's run without the trace, plus the AdamW step of its tensors.
-    steps = {
-        c: g.untraced_time_us(warmup, node_overhead_us)
-        + opt_fit.fixed_us
-        + float(opt_fit.tensor_us(numel[masks[c]]).sum())
-        for c, g in graphs.items()
-    }
-    trace_us = max(0.0, graphs["full"].trace_us_per_node(warmup) - node_overhead_us)
-    return _Measured(
-        masks=masks,
-        node_times={c: node_times[c] for c in ("full", "first_only", "no_kernels") if c in masks},
-        bn_times=node_times["first_only"] if frozen_bn.get("first_only") else None,
-        steps=steps,
-        # first_only only in training mode: for_frozen_bn's batch-norm differences miss part
-        # of what inference mode saves (its bn_inference check over-predicts by 2-16% at the
-        # thorough level), which would move the fixed cost
-        calibrate=[
-            c for c in ("full", "no_kernels", "first_only") if c in masks and c not in frozen_bn
-        ],
-        frozen_bn=frozen_bn,
-        observations=observations,
-        full_training_model=full,
-        trace_us=trace_us,
-        repeats=measured_rounds,
-    )
-
-
 def _profile(
     model: LoadedModel,
     shapes: dict[str, tuple[int, ...]],
@@ -625,8 +315,8 @@ def _profile(
     chain = {"nodes": 200, "repeats": 10} if level == "fast" else {}
     node_overhead = measure_node_overhead_us(threads, **chain)
     if level == "thorough":
-        bn_layers = _batch_norm_layers(model, [])
-        measured = _measure_thorough(
+        bn_layers = batch_norm_layers(model, [])
+        measured = measure_thorough(
             model,
             model_b,
             batch,
@@ -642,12 +332,12 @@ def _profile(
     else:
         # The first tensor trains in the graph that also measures the batch norms' inference
         # mode, so a batch norm of tensor 0 stays out of it.
-        bn_layers = _batch_norm_layers(model, names[:1]) if n > 1 else []
+        bn_layers = batch_norm_layers(model, names[:1]) if n > 1 else []
         full_artifacts = None
         if cache is not None:  # the caller's all-trainable artifacts, when it has them
-            paths = cache.lookup(model_b, *model.split(_mask(n, range(n))), loss=loss)
+            paths = cache.lookup(model_b, *model.split(selection_mask(n, range(n))), loss=loss)
             full_artifacts = paths.directory if paths is not None else None
-        measured = _measure_fast(
+        measured = measure_fast(
             model,
             model_b,
             batch,
@@ -661,7 +351,7 @@ def _profile(
             node_overhead_us=node_overhead,
             full_artifacts=full_artifacts,
         )
-    return _fold(
+    return fold(
         model,
         model_b,
         measured,
@@ -679,10 +369,10 @@ def _profile(
     )
 
 
-def _fold(
+def fold(
     model: LoadedModel,
     model_b,
-    measured: _Measured,
+    measured: Measured,
     bn_layers,
     *,
     level: str,
@@ -791,6 +481,13 @@ def _fold(
         branches=charged.branches,
         batch_norms=batch_norms,
     )
+    _inference_mode(prof, masks, steps, measured.frozen_bn, by_anchor, forward_saved)
+    return prof
+
+
+def _inference_mode(prof: Profile, masks, steps, frozen_bn, by_anchor, forward_saved) -> None:
+    """The inference-mode part of ``prof`` (``--frozen-bn inference``, module docstring step 6),
+    and the checks of the steps measured in that mode."""
     if "last_only_inference" in steps:
         # What the per-node inference deltas do not explain of the frozen forward in inference
         # mode (sessions bake frozen weights: ORT fuses Conv + BN + activation there), moved
@@ -804,10 +501,9 @@ def _fold(
             extra = float(np.clip(residual / skipped, -forward_saved, 1.0 - forward_saved))
             prof.inference_forward_moved_us = [float(v) for v in extra * by_anchor]
     inference = prof.for_frozen_bn("inference")
-    for c, mode in measured.frozen_bn.items():  # steps measured with batch norms in inference
-        checks[c]["frozen_bn"] = mode
-        checks[c]["predicted_us"] = inference.predicted_step_us(masks[c])
-    return prof
+    for c, mode in frozen_bn.items():  # steps measured with batch norms in inference
+        prof.checks[c]["frozen_bn"] = mode
+        prof.checks[c]["predicted_us"] = inference.predicted_step_us(masks[c])
 
 
 def _load_average() -> float | None:
