@@ -385,6 +385,7 @@ _BUILDERS: dict[str, Callable[[int, int], nn.Module]] = {
     "vgg16": lambda k, s: VGG16(k, s),
     "mobilenet_v2": lambda k, s: MobileNetV2(k),
     "vit_b16": lambda k, s: ViT(k, s, patch=16, dim=768, depth=12, heads=12, mlp_dim=3072),
+    "resnet18": lambda k, s: ResNet(BasicBlock, [2, 2, 2, 2], [64, 128, 256, 512], k),
     "resnet18s": lambda k, s: ResNet(BasicBlock, [2, 2, 2, 2], [16, 32, 64, 128], k),
     "tiny_cnn": lambda k, s: TinyCNN(k),
     "tiny_vit": lambda k, s: ViT(k, s, patch=8, dim=64, depth=2, heads=2, mlp_dim=128),

@@ -1,0 +1,150 @@
+"""Whole-run speedup on a small on-device dataset, and where the time outside the steps goes
+(issue 31).
+
+    python benchmarks/whole_run.py [--model resnet18] [--input-size 64] [--examples 150]
+                                   [--epochs 12] [--period 3] [--rho 0.5] [--repeats 3]
+
+The model (a zoo name, exported at --input-size, or an .onnx file) trains on --examples digits
+5-9 (80% train: 120 images by default; upsampled to the input size, 3 channels) twice per
+repeat, side by side in one process: ``full`` (every tensor) and ``elastic`` at ``--rho``,
+alternating which goes first. A run's time is what a user waits for: the ``etgraph.loop.train``
+call, start to end (sessions, selections, reference steps, validation, export). The whole-run
+speedup is full's run time over elastic's, per repeat; the overhead split sums the epochs' log
+fields (importance, DP, artifacts, sessions, reference steps, the session-options probe) and
+the rest (validation, export). Results: benchmarks/results/whole_run_<model>_<size>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from etgraph.config import TrainConfig  # noqa: E402
+from etgraph.data import digits_images, load_digits_arrays  # noqa: E402
+from etgraph.loop import train  # noqa: E402
+from etgraph.model import LoadedModel  # noqa: E402
+from etgraph.profiler import profile_model  # noqa: E402
+from etgraph.rundir import read_log  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: Epoch-record fields that are time outside the training steps, and their column names.
+PARTS = {
+    "importance_s": "importance",
+    "selection_s": "DP",
+    "artifacts_s": "artifacts",
+    "session_s": "sessions",
+    "reference_s": "references",
+    "ort_probe_s": "probe",
+}
+
+
+def digits_npz(path: Path, n: int, size: int) -> Path:
+    """``n`` digits of classes 5-9 (labels 0-4) as ``input`` float32 [n, 3, size, size]."""
+    images, labels = load_digits_arrays()
+    keep = np.flatnonzero(labels >= 5)[:n]
+    x = digits_images(images[keep], (size, size))
+    x = (x - x.mean()) / x.std()
+    x = np.repeat(x[:, None], 3, axis=1).astype(np.float32)
+    np.savez(path, input=x, labels=(labels[keep] - 5).astype(np.int64))
+    return path
+
+
+def model_file(name: str, size: int, work: Path) -> Path:
+    if name.endswith(".onnx"):
+        return Path(name)
+    from models.export import export_onnx
+
+    return export_onnx(name, work / f"{name}.onnx", input_shape=(3, size, size), num_classes=5)
+
+
+def one_run(model, profile, config, out: Path) -> dict:
+    """Train into ``out``; the run's wall time and its overhead split (s)."""
+    t0 = time.perf_counter()
+    result = train(model, profile, config, out, progress=False)
+    run_s = time.perf_counter() - t0
+    records = read_log(out)
+    parts = {k: float(sum(r.get(k, 0.0) for r in records)) for k in PARTS}
+    parts["importance_s"] = float(sum(r["importance_s"] for r in records))
+    steps_s = float(sum(r["steps"] * r["measured_step_us"] * 1e-6 for r in records))
+    return {
+        "run_s": run_s,
+        "steps_s": steps_s,
+        "parts_s": parts,
+        "first_selection_s": result.first_selection_s,
+        "val_acc": result.final_val_acc,
+        "rho_achieved": result.rho_achieved,
+        "loop_speedup": result.speedup,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--input-size", type=int, default=64)
+    ap.add_argument("--examples", type=int, default=150)
+    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--period", type=int, default=3)
+    ap.add_argument("--rho", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="whole-run-") as tmp:
+        work = Path(tmp)
+        path = model_file(args.model, args.input_size, work)
+        data = digits_npz(work / "digits.npz", args.examples, args.input_size)
+        model = LoadedModel.load(path)
+        profile = profile_model(model, batch_size=4, cache_dir=work / "cache")
+        runs: dict[str, list[dict]] = {"full": [], "elastic": []}
+        for r in range(args.repeats):
+            order = ("full", "elastic") if r % 2 == 0 else ("elastic", "full")
+            for strategy in order:
+                config = TrainConfig(
+                    epochs=args.epochs,
+                    period=args.period,
+                    rho=args.rho,
+                    strategy=strategy,
+                    data=str(data),
+                    seed=r,
+                )
+                runs[strategy].append(one_run(model, profile, config, work / f"{strategy}{r}"))
+                print(f"repeat {r} {strategy}: {runs[strategy][-1]['run_s']:.1f} s", flush=True)
+    speedups = [f["run_s"] / e["run_s"] for f, e in zip(runs["full"], runs["elastic"], strict=True)]
+    elastic = runs["elastic"]
+    shares = {PARTS[k]: [100 * e["parts_s"][k] / e["run_s"] for e in elastic] for k in PARTS}
+    rest = [
+        100 * (e["run_s"] - e["steps_s"] - sum(e["parts_s"].values())) / e["run_s"] for e in elastic
+    ]
+
+    def ms(values) -> str:
+        return f"{np.mean(values):.2f} ± {np.std(values):.2f}"
+
+    print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
+          f"period {args.period}, rho {args.rho}, {args.repeats} repeats (mean ± std)")  # fmt: skip
+    print(f"whole-run speedup (full run / elastic run): {ms(speedups)}x")
+    print(f"full run {ms([f['run_s'] for f in runs['full']])} s, elastic run "
+          f"{ms([e['run_s'] for e in elastic])} s; first selection "
+          f"{ms([e['first_selection_s'] for e in elastic])} s")  # fmt: skip
+    print("| share of the elastic run (%) | " + " | ".join(shares) + " | other (val, export) |")
+    print("|---|" + "---|" * (len(shares) + 1))
+    print("| mean ± std | " + " | ".join(ms(v) for v in shares.values()) + f" | {ms(rest)} |")
+    print(f"overheads (importance..probe): "
+          f"{ms([sum(v[i] for v in shares.values()) for i in range(len(elastic))])} % of the run; "
+          f"accuracy full {ms([f['val_acc'] for f in runs['full']])}, elastic "
+          f"{ms([e['val_acc'] for e in elastic])}")  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}.json"
+    out.write_text(json.dumps({"args": vars(args), "runs": runs, "speedups": speedups}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
