@@ -7,10 +7,9 @@ stays light)::
 
     import etgraph
 
-    model = etgraph.load_model("model.onnx")                 # or an onnx.ModelProto
-    trainer = etgraph.ElasticTrainer(model, etgraph.profile_model(model),
-                                     etgraph.TrainConfig(epochs=4, period=1))
-    result = trainer.fit()                                    # or begin_period / train_epoch / step
+    plan = etgraph.compile("model.onnx", rho=0.5)        # graph, profile, DP: a Plan in memory
+    trainer = plan.trainer(plan.train_config(epochs=4), data=(x, y))
+    result = trainer.fit()                                 # or begin_period / train_epoch / step
 
 See the README's "Python API" section for a complete example.
 """
@@ -29,7 +28,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 #: Public name -> the module that defines it (loaded on first access, PEP 562).
 _EXPORTS = {
     "ArrayDataset": "data",
-    "Callback": "trainer",
+    "Callback": "events",
     "CheckpointError": "errors",
     "ConfigError": "errors",
     "DataError": "errors",
@@ -41,7 +40,8 @@ _EXPORTS = {
     "InfeasibleMemoryError": "errors",
     "LoadedModel": "model",
     "ModelError": "errors",
-    "PeriodInfo": "trainer",
+    "PeriodInfo": "events",
+    "Plan": "plan",
     "Preprocess": "data",
     "Profile": "profile",
     "ProfileMismatchError": "errors",
@@ -50,6 +50,7 @@ _EXPORTS = {
     "TrainingDivergedError": "errors",
     "UnsupportedOpError": "errors",
     "as_dataset": "data",
+    "compile": "pipeline",
     "load_model": "api",
     "profile_model": "api",
 }
@@ -70,6 +71,7 @@ __all__ = [
     "LoadedModel",
     "ModelError",
     "PeriodInfo",
+    "Plan",
     "Preprocess",
     "Profile",
     "ProfileMismatchError",
@@ -78,6 +80,7 @@ __all__ = [
     "TrainingDivergedError",
     "UnsupportedOpError",
     "as_dataset",
+    "compile",
     "load_model",
     "profile_model",
 ]
@@ -98,10 +101,13 @@ if TYPE_CHECKING:  # the names as type checkers see them
         TrainingDivergedError,
         UnsupportedOpError,
     )
+    from .events import Callback, PeriodInfo
     from .model import LoadedModel
+    from .pipeline import compile
+    from .plan import Plan
     from .profile import Profile
     from .rundir import EpochRecord, TrainResult
-    from .trainer import Callback, ElasticTrainer, PeriodInfo
+    from .trainer import ElasticTrainer
 
 
 def __getattr__(name: str):

@@ -59,7 +59,7 @@ __all__ = [
 @dataclass(frozen=True)
 class OrtConfig:
     """Session options etgraph varies per session role (measured by
-    ``benchmarks/ort_config.py``; README, "Thread-pool spinning"). The defaults are ORT's.
+    ``benchmarks/ort_config.py``; docs/results.md, "ORT session options"). The defaults are ORT's.
 
     Attributes:
         spinning: ``session.intra_op.allow_spinning``: pool threads busy-wait for work between
@@ -76,7 +76,7 @@ class OrtConfig:
             on the second step, does not fit in the chunks the first step left and the arena
             grows again: +116 MiB on a one-tensor selection at ResNet50's input (128 px, batch
             4), +91 MiB on MobileNetV2's full training; the shared arena stays flat and was no
-            slower (README, "The memory model"). Ignored with ``arena=False``.
+            slower (docs/how-it-works.md, "The memory model"). Ignored with ``arena=False``.
     """
 
     spinning: bool = True

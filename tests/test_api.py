@@ -176,3 +176,27 @@ def test_in_memory_data_is_checked_against_the_model(default_model):
     batches = [({"input": x[i : i + 4]}, y[i : i + 4]) for i in range(0, 40, 4)]
     ds = as_dataset(batches, **kwargs, val_data=(x[:8], y[:8]))
     assert (ds.n_train, ds.n_val) == (40, 8)
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_runs_as_written(tmp_path, cache_env):
+    """The README's "Python API" example, verbatim, in a fresh interpreter: it compiles, trains,
+    exports, and writes nothing but the model it was asked for."""
+    import re
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Python API") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **cache_env},
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "period 1: training" in done.stdout and "val acc" in done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["model_trained.onnx"]
