@@ -1,4 +1,5 @@
-"""Emit onnxruntime-training artifacts for a selection of trainable tensors (docs/guide.md: Training).
+"""Emit onnxruntime-training artifacts for a selection of trainable tensors (docs/guide.md,
+"Training").
 
 The artifacts are the four files ``onnxruntime.training.api`` loads: ``training_model.onnx``,
 ``eval_model.onnx``, ``optimizer_model.onnx`` and ``checkpoint``. The three graphs do not hold

@@ -152,9 +152,9 @@ def fit_clock(spinning: bool) -> str:
     process CPU time (every thread of the process) when their pool threads do not spin (CPU
     time is then work, not waiting), ``""`` = wall time when they spin (a spinning thread's CPU
     time is waiting). On a machine shared with other work the wall time of one reference step
-    swings 2x with the neighbours' load, its CPU time by a few % (docs/how-it-works.md, "Closed loop"); on a
-    quiet device, where spinning wins (:func:`etgraph.sessions.choose_train_config`), they
-    agree."""
+    swings 2x with the neighbours' load, its CPU time by a few % (docs/how-it-works.md,
+    "Closed loop"); on a quiet device, where spinning wins
+    (:func:`etgraph.sessions.choose_train_config`), they agree."""
     return "" if spinning else "_cpu"
 
 

@@ -37,7 +37,8 @@ for suffixes) has the same structure as the time constraint of paper Eq. (3): on
 earliest selected tensor is fixed, both are 0/1-knapsack constraints over the tensors after it
 (:func:`etgraph.selection.select_tensors` with :class:`etgraph.selection.MemoryCosts`).
 
-The profile is of one batch-norm mode (``frozen_bn``, docs/how-it-works.md "Frozen batch norm"): with
+The profile is of one batch-norm mode (``frozen_bn``, docs/how-it-works.md, "Frozen batch
+norm"): with
 ``"inference"`` (``etgraph train``'s default) the anchor selections' frozen batch norms run as
 their inference affine map, as in training, and a profile of the other mode is another profile
 (another :func:`memory_key`, and :meth:`MemoryProfile.check_matches` refuses it).

@@ -105,7 +105,8 @@ class OrtOptions:
         shared arena keeps what a released session freed and baking holds the frozen weights
         twice: measured on ResNet50 128 px under a 718 MiB budget, the whole run peaked at 1094
         MiB with both, 873 without baking, 673 without either. A per-session arena grows again
-        on the second step to fit the memory pattern's block (docs/how-it-works.md, "The memory model"), which
+        on the second step to fit the memory pattern's block (docs/how-it-works.md, "The memory
+        model"), which
         the memory model (measured on the shared arena) does not hold: MobileNetV2 at 447 MiB
         peaked at 478 MiB with the pattern, 446 without."""
         choice = ConfigChoice.given(label, note)

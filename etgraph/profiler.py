@@ -22,7 +22,8 @@ measured times into the time model in :mod:`etgraph.fold`:
    (:func:`etgraph.measure.robust_time`; a shared machine only ever adds time, so the low end
    is what reproduces; the same statistic times real steps). Each node also pays the
    executor's per-node cost outside its kernel (``node_overhead_us``, ~1 µs).
-2. **Charging** (docs/how-it-works.md, "The time model and the charging rule"): every node of the ``full``
+2. **Charging** (docs/how-it-works.md, "The time model and the charging rule"): every node of
+   the ``full``
    training graph is charged through :func:`etgraph.graph.charges` to one tensor's ``t_dw_us``
    or ``t_dy_us``, or to the forward pass (:func:`etgraph.fold.charge_node_times`). Fused
    ``ConvGrad`` nodes (kind ``split``) compute dX, dW and dB in one kernel; they are split
