@@ -12,11 +12,12 @@ Two sources, one :class:`Dataset` interface:
   flip**: a mirrored digit is a different glyph (or none), so flipping would corrupt the labels.
 - **image folders**: a directory with one sub-folder per class (the layout CUB-200,
   Oxford-IIIT Pet and Stanford Dogs unpack to). Images are decoded with Pillow at batch time
-  (the paper counts on-device pre-processing as training time, §8), converted to RGB, resized
-  to H x W (bilinear) and normalised as the model expects (:class:`Preprocess`: a preset —
-  ``imagenet`` by default, ``caffe``, ``paddle``, ``none`` — with per-field overrides of mean,
-  std, scale and channel order); training batches are randomly flipped left-right (paper §8:
-  "random flipping").
+  (the paper counts on-device pre-processing as training time, §8), converted to RGB (or grey)
+  from any mode Pillow opens (:func:`pixels`: 16-bit and float pictures scaled to 0-255,
+  alpha dropped), resized to H x W (bilinear) and normalised as the model expects
+  (:class:`Preprocess`: a preset — ``imagenet`` by default, ``caffe``, ``paddle``, ``none`` —
+  with per-field overrides of mean, std, scale and channel order); training batches are
+  randomly flipped left-right (paper §8: "random flipping").
 
 The train/validation split is stratified per class and fixed by ``seed``.
 
@@ -33,6 +34,7 @@ import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -550,16 +552,68 @@ def _scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
     return [d.name for d in subdirs], files, np.array(labels, dtype=np.int64)
 
 
+#: What :func:`pixels` reads as 16-bit samples (0-65535): Pillow's 16-bit grey modes, and its
+#: 32-bit integer mode, which is how some 16-bit files open.
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+#: The errors Pillow raises for a file it cannot read or a picture too large to decode.
+IMAGE_ERRORS = (
+    OSError,
+    UnidentifiedImageError,
+    ValueError,
+    SyntaxError,
+    Image.DecompressionBombError,
+)
+
+
+def pixels(img: Image.Image, mode: str) -> Image.Image:
+    """``img`` as an 8-bit ``"RGB"`` or ``"L"`` picture (``mode``), or as an ``"F"`` picture of
+    one grey channel holding 0-255 floats, from any mode Pillow opens:
+
+    * 16-bit grey (``I;16*``, and ``I`` holding 0-65535): value / 65535 * 255;
+    * float (``F``): values in [0, 1] are scaled by 255, values in [0, 255] kept;
+    * alpha (``RGBA``, ``LA``, ``PA``, a palette with transparency): dropped, the colour stored
+      under a transparent pixel is used (as torchvision's ``ImageFolder`` loader does);
+    * palette, bilevel, CMYK, YCbCr, LAB, HSV: Pillow's conversion.
+
+    Raises:
+        ValueError: a 32-bit integer picture outside 0-65535, or a float one outside [0, 255]
+            or not finite (the caller names the file).
+    """
+    if img.mode in _SIXTEEN_BIT_MODES or img.mode == "F":
+        values = np.asarray(img, dtype=np.float64)
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if img.mode == "F":
+            if not (np.isfinite(values).all() and low >= 0 and high <= 255):
+                raise ValueError(
+                    f"a float picture with values {low:g}..{high:g}, outside 0-1 and 0-255: "
+                    "save it scaled to one of them, or as an 8- or 16-bit picture"
+                )
+            scale = 255.0 if high <= 1.0 else 1.0
+        else:
+            if low < 0 or high > 65535:
+                raise ValueError(
+                    f"a 32-bit integer picture with values {low:g}..{high:g}, beyond 16 bits: "
+                    "save it as an 8- or 16-bit picture"
+                )
+            scale = 255.0 / 65535.0
+        return Image.fromarray((values * scale).astype(np.float32), "F")
+    with warnings.catch_warnings():  # "Palette images with Transparency ...": alpha is dropped
+        warnings.simplefilter("ignore", UserWarning)
+        return img.convert(mode)
+
+
 def _decode(path: Path, size: tuple[int, int], mode: str) -> np.ndarray:
-    """Decode one image to float32 ``[H, W, C]`` in 0-255 (RGB or grey), resized bilinearly."""
+    """Decode one image to float32 ``[H, W, C]`` in 0-255 (RGB or grey; :func:`pixels`),
+    resized bilinearly."""
     h, w = size
     try:
         with Image.open(path) as img:
-            img = img.convert(mode).resize((w, h), Image.BILINEAR)
+            img = pixels(img, mode).resize((w, h), Image.BILINEAR)
             arr = np.asarray(img, dtype=np.float32)
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
+    except IMAGE_ERRORS as exc:
         raise DataError(f"cannot read image {path}: {exc}; remove or replace the file") from exc
-    return arr[:, :, None] if arr.ndim == 2 else arr
+    arr = arr[:, :, None] if arr.ndim == 2 else arr
+    return np.repeat(arr, 3, axis=2) if mode == "RGB" and arr.shape[2] == 1 else arr
 
 
 def load_image_folder(
@@ -594,7 +648,7 @@ def load_image_folder(
             try:
                 with Image.open(p) as img:
                     img.verify()
-            except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
+            except IMAGE_ERRORS as exc:
                 raise DataError(
                     f"cannot read image {p}: {exc}; remove or replace the file"
                 ) from exc

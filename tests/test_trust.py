@@ -30,6 +30,7 @@ from helpers import (
     run_cli_in_process,
 )
 from onnx import external_data_helper, helper
+from PIL import Image, ImageCms
 
 from etgraph.errors import ModelError
 from etgraph.model import LoadedModel
@@ -393,3 +394,104 @@ def test_the_trained_model_appears_only_complete(cli, default_profile, monkeypat
     final = (out / "model_trained.onnx").read_bytes()
     assert all(snapshot == final for snapshot in seen)
     assert not list(out.glob(".model_trained.onnx.*"))
+
+
+# ---- image modes: every mode Pillow opens decodes to the right picture, or is refused -------
+
+H, W = 6, 8
+GREY = np.linspace(0, 255, H * W).round().astype(np.uint8).reshape(H, W)
+RGB = np.stack([GREY, 255 - GREY, GREY // 2], axis=-1)
+
+
+def _image(mode: str) -> tuple[Image.Image, str, np.ndarray, float]:
+    """A picture in ``mode``, the file suffix to save it as, the 8-bit RGB [H, W, 3] it must
+    decode to, and the tolerance (lossy or approximate conversions)."""
+    grey3 = np.repeat(GREY[:, :, None], 3, axis=2)
+    alpha = (255 - GREY)[:, :, None]
+    if mode == "I;16":
+        return Image.fromarray(GREY.astype(np.uint16) * 257), ".png", grey3, 0
+    if mode == "I":
+        return Image.fromarray(GREY.astype(np.int32) * 257), ".tif", grey3, 0
+    if mode == "F":  # floats in [0, 1]
+        return Image.fromarray(GREY.astype(np.float32) / 255), ".tif", grey3, 0.01
+    if mode == "F255":  # floats in [0, 255]
+        return Image.fromarray(GREY.astype(np.float32)), ".tif", grey3, 0.01
+    if mode == "RGBA":
+        return Image.fromarray(np.concatenate([RGB, alpha], axis=2), "RGBA"), ".png", RGB, 0
+    if mode == "LA":
+        return Image.fromarray(np.stack([GREY, 255 - GREY], -1), "LA"), ".png", grey3, 0
+    if mode in ("P", "PA"):
+        img = Image.fromarray(RGB).convert("P")
+        if mode == "PA":
+            img.info["transparency"] = 0
+        return img, ".png", np.asarray(img.convert("RGB")), 0
+    if mode == "1":
+        img = Image.fromarray(GREY).convert("1")
+        return img, ".png", np.repeat(np.asarray(img, np.uint8)[:, :, None] * 255, 3, 2), 0
+    if mode == "CMYK":
+        return Image.fromarray(RGB).convert("CMYK"), ".tif", RGB, 1
+    if mode == "LAB":  # 8-bit LAB loses up to 20/255 of sRGB: compared with LittleCMS's
+        lab, srgb = ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB")
+        img = Image.fromarray(RGB).convert("LAB")
+        to_rgb = ImageCms.buildTransformFromOpenProfiles(lab, srgb, "LAB", "RGB")
+        return img, ".tif", np.asarray(ImageCms.applyTransform(img, to_rgb)), 0
+    if mode == "L":
+        return Image.fromarray(GREY, "L"), ".png", grey3, 0
+    return Image.fromarray(RGB, "RGB"), ".png", RGB, 0
+
+
+@pytest.mark.parametrize(
+    "mode", ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "LAB", "I;16", "I", "F", "F255"]
+)
+def test_every_image_mode_decodes_to_its_picture(mode, tmp_path):
+    from etgraph.data import load_image_folder, make_preprocess
+
+    img, suffix, expected, tolerance = _image(mode)
+    (tmp_path / "a").mkdir()
+    path = tmp_path / "a" / f"x{suffix}"
+    img.save(path, **({"transparency": 0} if mode == "PA" else {}))
+    with Image.open(path) as reopened:  # the file holds the mode under test
+        assert reopened.mode == {"F255": "F", "PA": "P"}.get(mode, mode), reopened.mode
+    dataset = load_image_folder(
+        tmp_path, input_shape=(3, H, W), val_fraction=0, preprocess=make_preprocess("none")
+    )
+    x, _ = next(dataset.val_batches(1)) if dataset.n_val else dataset.probe_batch(1, 0)
+    decoded = np.moveaxis(x[0], 0, -1) * 255  # [H, W, 3], 0-255
+    assert np.abs(decoded - expected).max() <= tolerance + 1e-3, mode
+
+
+@pytest.mark.parametrize(
+    ("array", "fragment"),
+    [
+        (np.array([[-5.0, 300.0]], np.float32), "float picture with values -5..300"),
+        (np.array([[0.0, np.nan]], np.float32), "float picture"),
+        (np.array([[0, 70000]], np.int32), "beyond 16 bits"),
+    ],
+    ids=["float-range", "float-nan", "int32-range"],
+)
+def test_an_image_that_cannot_be_scaled_is_refused(cli, default_profile, tmp_path, array, fragment):
+    for label in ("a", "b"):  # every picture is one of them: the first batch decodes one
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.resize(array, (8, 8))).save(tmp_path / "data" / label / f"{i}.tif")
+    done = cli(
+        "train", "--out", tmp_path / "run", "--profile", default_profile[1],
+        "--data", tmp_path / "data", *QUICK_TRAIN,
+    )  # fmt: skip
+    assert_user_error(done, "cannot read image", ".tif", fragment)
+
+
+def test_a_decompression_bomb_is_refused_in_one_line(cli, default_profile, monkeypatch, tmp_path):
+    for label in ("a", "b"):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "data" / label / f"{i}.png")
+    bomb = tmp_path / "data" / "a" / "bomb.png"
+    Image.fromarray(np.zeros((150, 150), np.uint8)).save(bomb)
+    # Pillow refuses pictures of more than 2 * MAX_IMAGE_PIXELS: 10000 stands for 89 million
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10000)
+    done = cli(
+        "train", "--out", tmp_path / "run", "--profile", default_profile[1],
+        "--data", tmp_path / "data", *QUICK_TRAIN,
+    )  # fmt: skip
+    assert_user_error(done, f"cannot read image {bomb}", "decompression bomb")
