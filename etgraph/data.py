@@ -43,6 +43,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .errors import ConfigError, DataError
+from .host import available_memory_bytes
+from .labels import MAX_CLASS_INDEX
 from .model import InputSpec, Task
 from .text import check_text_options, is_text_file, load_text_data
 
@@ -76,6 +78,22 @@ class _Split:
     @property
     def n_train(self) -> int:
         return int(self.train_index.size)
+
+    def check_probe_batches(self, batch_size: int, probe_batches: int) -> None:
+        """Refuse more importance probe batches than the training set has batches (they are
+        drawn from it and held in memory together: 100000 of them took 5 GB and minutes).
+
+        Raises:
+            ConfigError: ``probe_batches`` exceeds the training set's batches of
+                ``batch_size`` (the message gives the largest count).
+        """
+        most = max(1, self.n_train // batch_size)
+        if probe_batches > most:
+            raise ConfigError(
+                f"--probe-batches {probe_batches} is more than the {most} batches of "
+                f"{batch_size} in the training set of {self.name} ({self.n_train} examples): "
+                f"pass at most {most}"
+            )
 
     @property
     def n_val(self) -> int:
@@ -276,6 +294,12 @@ def load_digits_task(
     if not classes or any(k not in range(10) for k in classes) or len(set(classes)) != len(classes):
         raise DataError(f"digit classes must be distinct values in 0-9, got {classes}")
     keep = np.isin(labels, classes)
+    need = 2 * int(keep.sum()) * h * w * 4  # the upsampled pixels, then normalised
+    if need > available_memory_bytes():
+        raise DataError(
+            f"the digits at {h}x{w} take {need / 2**30:.1f} GiB, more than this process can "
+            f"allocate ({available_memory_bytes() / 2**30:.1f} GiB): use a smaller --input-shape"
+        )
     relabel = {k: i for i, k in enumerate(classes)}
     task_labels = np.array([relabel[int(k)] for k in labels[keep]], dtype=np.int64)
     pixels = digits_images(images[keep], (h, w))
@@ -881,6 +905,8 @@ def load_npz_dataset(
     if len(set(lengths.values())) > 1:
         raise DataError(f"{path}: the input arrays differ in length {lengths}: give N rows each")
     n = next(iter(lengths.values()))
+    if n == 0:
+        raise DataError(f"{path} holds 0 examples: {_NPZ_FIX} with N >= 1 rows")
     if "labels" not in stored:
         raise DataError(
             f"{path} has no 'labels' array: add labels (int class indices [N] for --loss ce, "
@@ -907,12 +933,14 @@ def _checked_labels(path: Path, labels: np.ndarray, n: int, task: Task) -> np.nd
                 f"{path}: 'labels' is {labels.dtype} {list(labels.shape)}; --loss ce takes int "
                 "class indices [N] (use --loss mse for float targets [N, D])"
             )
-        k = task.width
-        if labels.size and (labels.min() < 0 or (k is not None and labels.max() >= k)):
+        k = task.width  # None: symbolic; class indices then go up to MAX_CLASS_INDEX
+        top = MAX_CLASS_INDEX if k is None else k - 1
+        if labels.size and (labels.min() < 0 or labels.max() > top):
+            classes = f"has {k} classes" if k else f"takes class indices up to {top}"
             raise DataError(
                 f"{path}: labels range over {int(labels.min())}..{int(labels.max())}, but the "
-                f"model's output {task.output!r} has {k} classes: use labels 0..{(k or 1) - 1} "
-                "(or a model with a wider output layer)"
+                f"model's output {task.output!r} {classes}: use labels 0..{top} (or a model "
+                "with a wider output layer)"
             )
         return labels.astype(np.int64)
     if labels.dtype.kind != "f":

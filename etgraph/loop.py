@@ -130,7 +130,7 @@ from .host import (
 )
 from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
 from .labels import save_class_names, set_class_names, stamp_onnx
-from .memory import MemoryProfile
+from .memory import MemoryProfile, check_step_fits
 from .model import LoadedModel
 from .onnx_io import export_with_original_outputs, original_outputs, restore_exported
 from .plots import plot_run
@@ -266,6 +266,8 @@ class TrainConfig:
         for name, value in positive.items():
             if int(value) != value or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value}")
+        if int(self.seed) != self.seed or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning rate must be positive, got {self.learning_rate}")
         if not self.weight_decay >= 0:
@@ -526,8 +528,11 @@ def load_run_data(
 
     Raises:
         DataError: as :func:`etgraph.data.load_task_data`.
+        ConfigError: more probe batches than the data has batches; a step at ``shapes``
+            cannot fit in memory (:func:`etgraph.memory.check_step_fits`).
     """
-    return load_task_data(
+    check_step_fits(model, config.batch_size, shapes)  # before the data is allocated
+    dataset = load_task_data(
         config.data,
         inputs=model.inputs,
         shapes=shapes,
@@ -537,6 +542,8 @@ def load_run_data(
         seed=config.seed,
         preprocess=config.preprocess,
     )
+    dataset.check_probe_batches(config.batch_size, config.probe_batches)
+    return dataset
 
 
 class _Run:

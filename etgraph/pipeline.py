@@ -42,7 +42,7 @@ from .files import (
     write_json_atomic,
 )
 from .importance import probe_importance
-from .memory import MemoryProfile
+from .memory import MemoryProfile, check_step_fits
 from .model import LoadedModel, TensorInfo, exported_batch_hint
 from .plan import PLAN_FILE
 from .rundir import check_not_run_dir
@@ -201,6 +201,7 @@ def compile_model(
     with exclusive_lock(out, "-o"), staged_directory(out, COMPILED_OUTPUTS, PLAN_FILE) as stage:
         model = LoadedModel.load(source, output=output, loss=loss)
         shapes = model.input_shapes(input_shape)
+        check_step_fits(model, batch_size, shapes)  # before anything is allocated
         with atomic_target(stage / MODEL_FILE) as tmp:
             onnx.save(model.proto, str(tmp))
         tensors = list(model.tensors)

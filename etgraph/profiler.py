@@ -125,7 +125,7 @@ from .fold import (
     optimizer_subsets,
     saved_forward_fraction,
 )
-from .host import freeze_gc, host_description, physical_cores
+from .host import freeze_gc, host_description, physical_cores, usable_threads
 from .measure import (
     Batch,
     OptimizerSubsets,
@@ -137,6 +137,7 @@ from .measure import (
     round_robin,
     step_clock,
 )
+from .memory import check_step_fits
 from .model import LoadedModel, TensorInfo, exported_batch_hint
 from .profile import Profile, format_shapes, profile_key
 from .timing import BranchCharges, backward_us, step_us
@@ -247,8 +248,10 @@ def profile_model(
     threads = physical_cores() if threads is None else int(threads)
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
+    threads = usable_threads(threads)  # the profile records the threads it measured with
     step_clock(clock, threads)
     shapes = model.input_shapes(input_shapes)
+    check_step_fits(model, batch_size, shapes)  # before anything is allocated
     loss = model.task.loss
 
     cache_path = None
