@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo(f"etgraph: interrupted{_resume_hint(args)}", err=True)
         sys.exit(130)
-    except Terminated:
+    except Terminated as exc:  # SIGTERM, SIGHUP: cleaned up like Ctrl-C
         click.echo(f"etgraph: terminated{_resume_hint(args)}", err=True)
-        sys.exit(143)
+        sys.exit(128 + exc.signum)
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare command: its help, as asked
         click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
         sys.exit(exc.exit_code)

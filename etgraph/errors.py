@@ -135,6 +135,15 @@ class TrainingDivergedError(EtgraphError):
 
 
 class Terminated(BaseException):  # noqa: N818 (a signal, like KeyboardInterrupt)
-    """SIGTERM arrived (:func:`etgraph.host.exit_on_sigterm`): raised in the main thread so that
-    every ``with`` block and ``finally`` clause runs (temporary directories, atomic writes)
-    before the process exits. A BaseException: ``except Exception`` does not stop it."""
+    """SIGTERM or SIGHUP arrived (:func:`etgraph.host.exit_on_sigterm`): raised in the main
+    thread so that every ``with`` block and ``finally`` clause runs (temporary directories,
+    atomic writes) before the process exits. A BaseException: ``except Exception`` does not
+    stop it.
+
+    Attributes:
+        signum: the signal's number (the process exits with ``128 + signum``).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -7,7 +7,7 @@
 * :func:`reset_peak_rss`, :func:`peak_rss_mb` — peak resident memory per period (Linux).
 * :func:`release_native_memory` — hand freed native heap back to the OS after a re-selection.
 * :func:`freeze_gc` — keep the cyclic garbage collector off the libraries' objects.
-* :func:`exit_on_sigterm` — a SIGTERM unwinds the process like Ctrl-C (cleanup runs).
+* :func:`exit_on_sigterm` — SIGTERM and SIGHUP unwind the process like Ctrl-C (cleanup runs).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import platform
 import resource
 import signal
+import threading
 from pathlib import Path
 
 from .errors import ResourceError, Terminated
@@ -220,11 +221,14 @@ def process_age_s() -> float:
 
 
 def exit_on_sigterm() -> None:
-    """Raise :class:`etgraph.errors.Terminated` in the main thread when SIGTERM arrives (the
-    default action ends the process at once: no ``finally``, no ``atexit``, so temporary
-    directories holding the model's weights stayed). ORT's native calls finish first."""
+    """Raise :class:`etgraph.errors.Terminated` in the main thread when SIGTERM or SIGHUP
+    arrives (their default action ends the process at once: no ``finally``, no ``atexit``, so
+    temporary directories holding the model's weights stayed). ORT's native calls finish
+    first."""
 
     def terminate(signum, frame):
-        raise Terminated(signal.Signals(signum).name)
+        raise Terminated(signum)
 
-    signal.signal(signal.SIGTERM, terminate)
+    if threading.current_thread() is threading.main_thread():  # where handlers can be set
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, terminate)
