@@ -370,7 +370,8 @@ def verify_checkpoint(path: str | os.PathLike) -> bool:
     if not recorded or not path.exists() or _sha256(path) in recorded:
         return True
     prev = _sibling(path, PREVIOUS_SUFFIX)
-    if prev.is_file() and _sha256(prev) in recorded:
+    previous = _sha256(prev) if prev.is_file() else None
+    if previous in recorded:
         log.warning(
             "checkpoint %s is damaged (its sha256 differs from the one recorded when it was "
             "written): continuing from the previous checkpoint (%s)",
@@ -378,6 +379,7 @@ def verify_checkpoint(path: str | os.PathLike) -> bool:
             prev.name,
         )
         _link_atomic(prev, path)
+        write_json_atomic(_sibling(path, DIGEST_SUFFIX), {"sha256": [previous]})
         return False
     raise CheckpointError(
         f"checkpoint {path} is damaged: its sha256 differs from the one recorded when etgraph "

@@ -604,7 +604,7 @@ def pixels(img: Image.Image, mode: str) -> Image.Image:
             or not finite (the caller names the file).
     """
     if img.mode in _SIXTEEN_BIT_MODES or img.mode == "F":
-        values = np.asarray(img, dtype=np.float64)
+        values = np.asarray(img, dtype=np.float32)  # exact for 16-bit samples
         low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
         if img.mode == "F":
             if not (np.isfinite(values).all() and low >= 0 and high <= 255):
@@ -620,7 +620,7 @@ def pixels(img: Image.Image, mode: str) -> Image.Image:
                     "save it as an 8- or 16-bit picture"
                 )
             scale = 255.0 / 65535.0
-        return Image.fromarray((values * scale).astype(np.float32), "F")
+        return Image.fromarray(values * np.float32(scale), "F")
     with warnings.catch_warnings():  # "Palette images with Transparency ...": alpha is dropped
         warnings.simplefilter("ignore", UserWarning)
         return img.convert(mode)
