@@ -25,6 +25,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,7 +379,8 @@ def verify_checkpoint(path: str | os.PathLike) -> bool:
             path,
             prev.name,
         )
-        _link_atomic(prev, path)
+        with atomic_target(path) as tmp:  # a copy: damage to one leaves the other
+            shutil.copyfile(prev, tmp)
         write_json_atomic(_sibling(path, DIGEST_SUFFIX), {"sha256": [previous]})
         return False
     raise CheckpointError(

@@ -396,6 +396,31 @@ def test_the_trained_model_appears_only_complete(cli, default_profile, monkeypat
     assert not list(out.glob(".model_trained.onnx.*"))
 
 
+def test_checkpoint_digests_follow_saves_and_fallbacks(tmp_path):
+    from etgraph.checkpoint import checkpoint_target, verify_checkpoint
+    from etgraph.errors import CheckpointError
+
+    path = tmp_path / "checkpoint"
+
+    def save(data: bytes) -> None:
+        with checkpoint_target(path) as tmp:
+            tmp.write_bytes(data)
+
+    save(b"A" * 100)
+    save(b"B" * 100)
+    assert verify_checkpoint(path) and (tmp_path / "checkpoint.prev").read_bytes() == b"A" * 100
+    path.write_bytes(b"B" * 99 + b"X")  # damaged in place
+    assert not verify_checkpoint(path) and path.read_bytes() == b"A" * 100
+    assert not path.samefile(tmp_path / "checkpoint.prev")  # restored as a copy
+    save(b"C" * 100)  # after a fallback, the previous one kept is the one resumed from
+    path.write_bytes(b"garbage")
+    assert not verify_checkpoint(path) and path.read_bytes() == b"A" * 100
+    path.write_bytes(b"garbage")
+    (tmp_path / "checkpoint.prev").write_bytes(b"garbage too")
+    with pytest.raises(CheckpointError, match="is damaged"):
+        verify_checkpoint(path)
+
+
 # ---- image modes: every mode Pillow opens decodes to the right picture, or is refused -------
 
 H, W = 6, 8
