@@ -76,6 +76,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 from .errors import ConfigError, ProfileMismatchError
 from .files import read_json, write_json_atomic
 from .host import available_memory_bytes
+from .model import with_batch
 
 __all__ = [
     "MEMORY_FORMAT_VERSION",
@@ -102,22 +103,26 @@ def _dtype_bytes(elem_type: int) -> int:
         return 4
 
 
-def least_step_bytes(model: onnx.ModelProto) -> float:
-    """A lower bound of the memory one training step of ``model`` needs, bytes: its weights,
-    plus the largest node's inputs and outputs together (from ONNX shape inference; values
-    whose shape is not static count 0). Cheap: inferred on a copy without the weights' values.
-
-    Args:
-        model: a forward model with static input shapes (``LoadedModel.with_batch``).
-    """
-    light = onnx.ModelProto()
-    light.CopyFrom(model)  # the graph only: float values dropped, dims kept
+def least_step_bytes(model: onnx.ModelProto, batch_size: int, shapes) -> float:
+    """A lower bound of the memory one training step of ``model`` at ``batch_size`` and
+    per-example input ``shapes`` (:func:`etgraph.model.input_shapes`) needs, bytes: its
+    weights, plus the largest node's inputs and outputs together (from ONNX shape inference;
+    values whose shape is not static count 0). The weights are not copied: shapes are inferred
+    on the graph with only the small initializers' values, which shape computations read."""
+    graph = onnx.GraphProto()
+    for name in ("node", "input", "output"):
+        getattr(graph, name).extend(getattr(model.graph, name))
     weights = 0.0
-    for init in light.graph.initializer:
-        weights += math.prod(init.dims) * _dtype_bytes(init.data_type)
-        if init.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-            for name in ("raw_data", "float_data", "int32_data"):
-                init.ClearField(name)
+    for init in model.graph.initializer:
+        elements = math.prod(init.dims)
+        weights += elements * _dtype_bytes(init.data_type)
+        if elements <= 1024:  # shapes, axes, scalars: values shape inference may read
+            graph.initializer.append(init)
+        else:
+            graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
+    light = onnx.helper.make_model(graph, opset_imports=model.opset_import)
+    light.ir_version = model.ir_version
+    light = with_batch(light, batch_size, shapes)
     try:
         inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
     except Exception:  # a model onnx cannot infer: nothing known beyond the weights
@@ -144,7 +149,7 @@ def check_step_fits(model, batch_size: int, shapes) -> None:
     Raises:
         ConfigError: naming the shapes, the memory needed and the memory available.
     """
-    need = least_step_bytes(model.with_batch(batch_size, shapes))
+    need = least_step_bytes(model.proto, batch_size, shapes)
     have = available_memory_bytes()
     if need > have:
         text = ", ".join(f"{n}={'x'.join(map(str, d))}" for n, d in shapes.items())
