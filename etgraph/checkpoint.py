@@ -25,6 +25,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -402,14 +403,17 @@ def verify_checkpoint(path: str | os.PathLike) -> bool:
     if not recorded or not path.exists() or _sha256(path) in recorded:
         return True
     prev = _sibling(path, PREVIOUS_SUFFIX)
-    if prev.is_file() and _sha256(prev) in recorded:
+    previous = _sha256(prev) if prev.is_file() else None
+    if previous in recorded:
         log.warning(
             "checkpoint %s is damaged (its sha256 differs from the one recorded when it was "
             "written): continuing from the previous checkpoint (%s)",
             path,
             prev.name,
         )
-        _link_atomic(prev, path)
+        with atomic_target(path) as tmp:  # a copy: damage to one leaves the other
+            shutil.copyfile(prev, tmp)
+        write_json_atomic(_sibling(path, DIGEST_SUFFIX), {"sha256": [previous]})
         return False
     raise CheckpointError(
         f"checkpoint {path} is damaged: its sha256 differs from the one recorded when etgraph "

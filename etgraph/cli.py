@@ -36,9 +36,10 @@ from .errors import (
     EtgraphError,
     Terminated,
     first_line,
+    resource_error,
 )
 from .files import sweep_stale_temp_dirs
-from .host import exit_on_sigterm
+from .host import check_address_space, exit_on_sigterm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,13 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_sigterm()  # temporary directories and partial files are removed on SIGTERM too
     sweep_stale_temp_dirs()  # and those of killed etgraph processes at the next start
     try:
+        check_address_space()  # below it torch's import aborts the process (no Python error)
         cli.main(args=args, prog_name="etgraph", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo(f"etgraph: interrupted{_resume_hint(args)}", err=True)
         sys.exit(130)
-    except Terminated:
+    except Terminated as exc:  # SIGTERM, SIGHUP: cleaned up like Ctrl-C
         click.echo(f"etgraph: terminated{_resume_hint(args)}", err=True)
-        sys.exit(143)
+        sys.exit(128 + exc.signum)
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare command: its help, as asked
         click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
         sys.exit(exc.exit_code)
@@ -88,10 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     except EtgraphError as exc:
         if debug:
             raise
+        _exit_if_out_of_resources(exc, args)
         click.echo(f"etgraph: error: {exc}", err=True)
         sys.exit(1)
     except OSError as exc:  # the file system refused a path (permissions, a file in the way)
-        if debug or exc.filename is None:
+        if debug:
+            raise
+        _exit_if_out_of_resources(exc, args)
+        if exc.filename is None:
             raise
         click.echo(
             f"etgraph: error: {exc.filename}: {exc.strerror}: check the path and its permissions",
@@ -101,12 +107,22 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug, not a user error: one line, the traceback with --debug
         if debug:
             raise
+        _exit_if_out_of_resources(exc, args)
         click.echo(
             f"etgraph: internal error: {_internal_cause(exc)} "
             "(a bug: rerun with --debug for the traceback and report it)",
             err=True,
         )
         sys.exit(3)
+
+
+def _exit_if_out_of_resources(exc: Exception, args: list[str]) -> None:
+    """Memory or disk ran out (:func:`etgraph.errors.resource_error`): one line saying so (and
+    how to continue an interrupted run), exit 1."""
+    resource = resource_error(exc)
+    if resource is not None:
+        click.echo(f"etgraph: error: {resource}{_resume_hint(args)}", err=True)
+        sys.exit(1)
 
 
 def _resume_hint(args: list[str]) -> str:

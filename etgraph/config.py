@@ -18,6 +18,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 from .artifacts import check_frozen_bn
 from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, as_dataset
 from .errors import ConfigError, DataError, ProfileMismatchError
+from .memory import check_step_fits
 from .selection import BUDGETED_STRATEGIES, STRATEGIES
 from .sessions import TRAIN_CANDIDATES
 
@@ -117,6 +118,8 @@ class TrainConfig:
         for name, value in positive.items():
             if int(value) != value or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value}")
+        if int(self.seed) != self.seed or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning rate must be positive, got {self.learning_rate}")
         if not self.weight_decay >= 0:
@@ -201,8 +204,11 @@ def load_run_data(
 
     Raises:
         DataError: as :func:`etgraph.data.as_dataset`.
+        ConfigError: more probe batches than the data has batches; a step at ``shapes``
+            cannot fit in memory (:func:`etgraph.memory.check_step_fits`).
     """
-    return as_dataset(
+    check_step_fits(model, config.batch_size, shapes)  # before the data is allocated
+    dataset = as_dataset(
         data,
         inputs=model.inputs,
         shapes=shapes,
@@ -214,6 +220,8 @@ def load_run_data(
         preprocess=config.preprocess,
         **kwargs,
     )
+    dataset.check_probe_batches(config.batch_size, config.probe_batches)
+    return dataset
 
 
 def check_run_inputs(

@@ -12,11 +12,12 @@ Two sources, one :class:`Dataset` interface:
   flip**: a mirrored digit is a different glyph (or none), so flipping would corrupt the labels.
 - **image folders**: a directory with one sub-folder per class (the layout CUB-200,
   Oxford-IIIT Pet and Stanford Dogs unpack to). Images are decoded with Pillow at batch time
-  (the paper counts on-device pre-processing as training time, §8), converted to RGB, resized
-  to H x W (bilinear) and normalised as the model expects (:class:`Preprocess`: a preset —
-  ``imagenet`` by default, ``caffe``, ``paddle``, ``none`` — with per-field overrides of mean,
-  std, scale and channel order); training batches are randomly flipped left-right (paper §8:
-  "random flipping").
+  (the paper counts on-device pre-processing as training time, §8), converted to RGB (or grey)
+  from any mode Pillow opens (:func:`pixels`: 16-bit and float pictures scaled to 0-255,
+  alpha dropped), resized to H x W (bilinear) and normalised as the model expects
+  (:class:`Preprocess`: a preset — ``imagenet`` by default, ``caffe``, ``paddle``, ``none`` —
+  with per-field overrides of mean, std, scale and channel order); training batches are
+  randomly flipped left-right (paper §8: "random flipping").
 
 The train/validation split is stratified per class and fixed by ``seed``.
 
@@ -33,6 +34,7 @@ import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,6 +43,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .errors import ConfigError, DataError
+from .host import available_memory_bytes
+from .labels import MAX_CLASS_INDEX
 from .model import InputSpec, Task
 from .text import check_text_options, is_text_file, load_text_data
 
@@ -74,6 +78,22 @@ class _Split:
     @property
     def n_train(self) -> int:
         return int(self.train_index.size)
+
+    def check_probe_batches(self, batch_size: int, probe_batches: int) -> None:
+        """Refuse more importance probe batches than the training set has batches (they are
+        drawn from it and held in memory together: 100000 of them took 5 GB and minutes).
+
+        Raises:
+            ConfigError: ``probe_batches`` exceeds the training set's batches of
+                ``batch_size`` (the message gives the largest count).
+        """
+        most = max(1, self.n_train // batch_size)
+        if probe_batches > most:
+            raise ConfigError(
+                f"--probe-batches {probe_batches} is more than the {most} batches of "
+                f"{batch_size} in the training set of {self.name} ({self.n_train} examples): "
+                f"pass at most {most}"
+            )
 
     @property
     def n_val(self) -> int:
@@ -274,6 +294,12 @@ def load_digits_task(
     if not classes or any(k not in range(10) for k in classes) or len(set(classes)) != len(classes):
         raise DataError(f"digit classes must be distinct values in 0-9, got {classes}")
     keep = np.isin(labels, classes)
+    need = 2 * int(keep.sum()) * h * w * 4  # the upsampled pixels, then normalised
+    if need > available_memory_bytes():
+        raise DataError(
+            f"the digits at {h}x{w} take {need / 2**30:.1f} GiB, more than this process can "
+            f"allocate ({available_memory_bytes() / 2**30:.1f} GiB): use a smaller --input-shape"
+        )
     relabel = {k: i for i, k in enumerate(classes)}
     task_labels = np.array([relabel[int(k)] for k in labels[keep]], dtype=np.int64)
     pixels = digits_images(images[keep], (h, w))
@@ -550,16 +576,68 @@ def _scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
     return [d.name for d in subdirs], files, np.array(labels, dtype=np.int64)
 
 
+#: What :func:`pixels` reads as 16-bit samples (0-65535): Pillow's 16-bit grey modes, and its
+#: 32-bit integer mode, which is how some 16-bit files open.
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+#: The errors Pillow raises for a file it cannot read or a picture too large to decode.
+IMAGE_ERRORS = (
+    OSError,
+    UnidentifiedImageError,
+    ValueError,
+    SyntaxError,
+    Image.DecompressionBombError,
+)
+
+
+def pixels(img: Image.Image, mode: str) -> Image.Image:
+    """``img`` as an 8-bit ``"RGB"`` or ``"L"`` picture (``mode``), or as an ``"F"`` picture of
+    one grey channel holding 0-255 floats, from any mode Pillow opens:
+
+    * 16-bit grey (``I;16*``, and ``I`` holding 0-65535): value / 65535 * 255;
+    * float (``F``): values in [0, 1] are scaled by 255, values in [0, 255] kept;
+    * alpha (``RGBA``, ``LA``, ``PA``, a palette with transparency): dropped, the colour stored
+      under a transparent pixel is used (as torchvision's ``ImageFolder`` loader does);
+    * palette, bilevel, CMYK, YCbCr, LAB, HSV: Pillow's conversion.
+
+    Raises:
+        ValueError: a 32-bit integer picture outside 0-65535, or a float one outside [0, 255]
+            or not finite (the caller names the file).
+    """
+    if img.mode in _SIXTEEN_BIT_MODES or img.mode == "F":
+        values = np.asarray(img, dtype=np.float32)  # exact for 16-bit samples
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if img.mode == "F":
+            if not (np.isfinite(values).all() and low >= 0 and high <= 255):
+                raise ValueError(
+                    f"a float picture with values {low:g}..{high:g}, outside 0-1 and 0-255: "
+                    "save it scaled to one of them, or as an 8- or 16-bit picture"
+                )
+            scale = 255.0 if high <= 1.0 else 1.0
+        else:
+            if low < 0 or high > 65535:
+                raise ValueError(
+                    f"a 32-bit integer picture with values {low:g}..{high:g}, beyond 16 bits: "
+                    "save it as an 8- or 16-bit picture"
+                )
+            scale = 255.0 / 65535.0
+        return Image.fromarray(values * np.float32(scale), "F")
+    with warnings.catch_warnings():  # "Palette images with Transparency ...": alpha is dropped
+        warnings.simplefilter("ignore", UserWarning)
+        return img.convert(mode)
+
+
 def _decode(path: Path, size: tuple[int, int], mode: str) -> np.ndarray:
-    """Decode one image to float32 ``[H, W, C]`` in 0-255 (RGB or grey), resized bilinearly."""
+    """Decode one image to float32 ``[H, W, C]`` in 0-255 (RGB or grey; :func:`pixels`),
+    resized bilinearly."""
     h, w = size
     try:
         with Image.open(path) as img:
-            img = img.convert(mode).resize((w, h), Image.BILINEAR)
+            img = pixels(img, mode).resize((w, h), Image.BILINEAR)
             arr = np.asarray(img, dtype=np.float32)
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
+    except IMAGE_ERRORS as exc:
         raise DataError(f"cannot read image {path}: {exc}; remove or replace the file") from exc
-    return arr[:, :, None] if arr.ndim == 2 else arr
+    arr = arr[:, :, None] if arr.ndim == 2 else arr
+    return np.repeat(arr, 3, axis=2) if mode == "RGB" and arr.shape[2] == 1 else arr
 
 
 def load_image_folder(
@@ -594,7 +672,7 @@ def load_image_folder(
             try:
                 with Image.open(p) as img:
                     img.verify()
-            except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
+            except IMAGE_ERRORS as exc:
                 raise DataError(
                     f"cannot read image {p}: {exc}; remove or replace the file"
                 ) from exc
@@ -857,6 +935,8 @@ def arrays_dataset(
     if len(set(lengths.values())) > 1:
         raise DataError(f"{path}: the input arrays differ in length {lengths}: give N rows each")
     n = next(iter(lengths.values()))
+    if n == 0:
+        raise DataError(f"{path} holds 0 examples: {_NPZ_FIX} with N >= 1 rows")
     if "labels" not in stored:
         raise DataError(
             f"{path} has no 'labels' array: add labels (int class indices [N] for --loss ce, "
@@ -886,12 +966,14 @@ def _checked_labels(path, labels: np.ndarray, n: int, task: Task) -> np.ndarray:
                 f"{path}: 'labels' is {labels.dtype} {list(labels.shape)}; --loss ce takes int "
                 "class indices [N] (use --loss mse for float targets [N, D])"
             )
-        k = task.width
-        if labels.size and (labels.min() < 0 or (k is not None and labels.max() >= k)):
+        k = task.width  # None: symbolic; class indices then go up to MAX_CLASS_INDEX
+        top = MAX_CLASS_INDEX if k is None else k - 1
+        if labels.size and (labels.min() < 0 or labels.max() > top):
+            classes = f"has {k} classes" if k else f"takes class indices up to {top}"
             raise DataError(
                 f"{path}: labels range over {int(labels.min())}..{int(labels.max())}, but the "
-                f"model's output {task.output!r} has {k} classes: use labels 0..{(k or 1) - 1} "
-                "(or a model with a wider output layer)"
+                f"model's output {task.output!r} {classes}: use labels 0..{top} (or a model "
+                "with a wider output layer)"
             )
         return labels.astype(np.int64)
     if labels.dtype.kind != "f":

@@ -7,6 +7,9 @@ the file, node or op concerned and says what to do; the CLI prints them as
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (its type name when the message is empty): what a
@@ -68,6 +71,55 @@ class CheckpointError(EtgraphError):
     """A checkpoint or run directory is missing, corrupt, or from another run."""
 
 
+class ResourceError(EtgraphError):
+    """The machine ran out of memory or disk space, or of what a limit allows (``ulimit -v``,
+    ``ulimit -f``): :func:`resource_error` recognises it in a library's exception."""
+
+
+#: What libraries say when memory runs out (numpy, ORT, the dynamic loader, pthreads).
+_OUT_OF_MEMORY = (
+    "bad_alloc",
+    "Cannot allocate memory",
+    "Failed to allocate memory",
+    "failed to map segment",
+    "Unable to allocate",
+)
+#: ... and when a write does not fit (ORT quotes strerror in its own exceptions).
+_OUT_OF_DISK = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def resource_error(exc: BaseException) -> ResourceError | None:
+    """The :class:`ResourceError` that ``exc`` (or an exception it was raised from) means —
+    out of memory (``MemoryError``, ``ENOMEM``, a native allocation failure) or out of disk
+    (``ENOSPC``, ``EDQUOT``, ``EFBIG``) — or None for any other error."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    for e in seen:
+        text, code = str(e), getattr(e, "errno", None)
+        if (
+            isinstance(e, MemoryError)
+            or code == errno.ENOMEM
+            or any(s in text for s in _OUT_OF_MEMORY)
+        ):
+            return ResourceError(
+                f"out of memory ({type(e).__name__}: {first_line(e)[:160]}): free memory, use a "
+                "smaller --batch-size or --input-shape, or raise the limit (ulimit -v)"
+            )
+        if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+            s in text for s in _OUT_OF_DISK
+        ):
+            where = f" {e.filename}" if getattr(e, "filename", None) else ""
+            reason = next((s for s in _OUT_OF_DISK if s in text), os.strerror(code or 28))
+            return ResourceError(
+                f"no room to write{where} ({reason}): free space on the device, or raise the "
+                "limit (ulimit -f), and run the command again"
+            )
+    return None
+
+
 class TrainingDivergedError(EtgraphError):
     """The training loss became NaN or infinite (the learning rate is too high for this model).
 
@@ -83,6 +135,15 @@ class TrainingDivergedError(EtgraphError):
 
 
 class Terminated(BaseException):  # noqa: N818 (a signal, like KeyboardInterrupt)
-    """SIGTERM arrived (:func:`etgraph.host.exit_on_sigterm`): raised in the main thread so that
-    every ``with`` block and ``finally`` clause runs (temporary directories, atomic writes)
-    before the process exits. A BaseException: ``except Exception`` does not stop it."""
+    """SIGTERM or SIGHUP arrived (:func:`etgraph.host.exit_on_sigterm`): raised in the main
+    thread so that every ``with`` block and ``finally`` clause runs (temporary directories,
+    atomic writes) before the process exits. A BaseException: ``except Exception`` does not
+    stop it.
+
+    Attributes:
+        signum: the signal's number (the process exits with ``128 + signum``).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -1,26 +1,38 @@
 """Facts about the device etgraph runs on, and this process's memory.
 
 * :func:`physical_cores`, :func:`host_description` — recorded with every profile.
+* :func:`usable_threads` — a thread count bounded by the CPUs this process may use.
+* :func:`available_memory_bytes` — what this process can still allocate;
+  :func:`check_address_space` — refuse an address-space limit the libraries cannot load under.
 * :func:`reset_peak_rss`, :func:`peak_rss_mb` — peak resident memory per period (Linux).
 * :func:`release_native_memory` — hand freed native heap back to the OS after a re-selection.
 * :func:`freeze_gc` — keep the cyclic garbage collector off the libraries' objects.
-* :func:`exit_on_sigterm` — a SIGTERM unwinds the process like Ctrl-C (cleanup runs).
+* :func:`exit_on_sigterm` — SIGTERM and SIGHUP unwind the process like Ctrl-C (cleanup runs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
+import logging
+import math
 import os
 import platform
 import resource
 import signal
+import threading
 from pathlib import Path
 
-from .errors import Terminated
+from .errors import ResourceError, Terminated
+
+log = logging.getLogger(__name__)
 
 __all__ = [
+    "MIN_ADDRESS_SPACE_BYTES",
+    "available_memory_bytes",
+    "check_address_space",
     "exit_on_sigterm",
     "freeze_gc",
     "process_age_s",
@@ -31,6 +43,7 @@ __all__ = [
     "release_native_memory",
     "reset_peak_rss",
     "rss_mb",
+    "usable_threads",
 ]
 
 
@@ -43,6 +56,22 @@ def physical_cores() -> int:
         except OSError:
             continue
     return len(cores) or os.cpu_count() or 1
+
+
+def usable_threads(threads: int) -> int:
+    """``threads``, or the number of CPUs this process may run on if that is fewer (warned
+    once per count): more threads than CPUs only cost memory (``--threads 100000`` grew to
+    7.6 GB inside ORT's session creation)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    if threads > cpus:
+        _warn_threads(threads, cpus)
+    return min(threads, cpus)
+
+
+@functools.cache
+def _warn_threads(threads: int, cpus: int) -> None:
+    log.warning("%d threads asked for, %d CPUs to run them on: using %d", threads, cpus, cpus)
 
 
 def host_description() -> str:
@@ -108,6 +137,47 @@ def limit_heap_retention(threshold_bytes: int = 1 << 20) -> None:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
 
 
+def available_memory_bytes() -> float:
+    """Bytes this process can still allocate: the memory the OS has available (Linux
+    ``MemAvailable`` plus free swap), at most what the address-space limit (``ulimit -v``)
+    leaves beside this process's mappings; ``inf`` where neither is known."""
+    available = math.inf
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        info = {
+            line.split(":")[0]: int(line.split()[1]) * 1024
+            for line in Path("/proc/meminfo").read_text().splitlines()
+        }
+        available = float(info["MemAvailable"] + info.get("SwapFree", 0))
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit != resource.RLIM_INFINITY:
+        mapped = (_status_mb("VmSize") or 0.0) * 2**20
+        available = min(available, max(0.0, limit - mapped))
+    return available
+
+
+#: The address space etgraph's libraries need to load: onnxruntime-training and torch map
+#: about 1 GiB of shared objects. Measured (x86_64, ``etgraph train`` on the default model):
+#: under ``ulimit -v`` of 600-900 MiB imports fail, at 700 MiB torch's import aborts the
+#: process (an uncaught ``std::bad_alloc``: no Python error to catch); 1.05 GiB trains.
+MIN_ADDRESS_SPACE_BYTES = 1 << 30
+
+
+def check_address_space() -> None:
+    """Refuse to start under an address-space limit (``ulimit -v``) below
+    :data:`MIN_ADDRESS_SPACE_BYTES`, where loading the libraries fails or aborts natively.
+
+    Raises:
+        ResourceError: naming the limit and the least that works.
+    """
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit != resource.RLIM_INFINITY and limit < MIN_ADDRESS_SPACE_BYTES:
+        raise ResourceError(
+            f"the address-space limit (ulimit -v) is {limit / 2**20:.0f} MiB, below the "
+            f"{MIN_ADDRESS_SPACE_BYTES / 2**20:.0f} MiB onnxruntime-training and torch need to "
+            f"load: raise it (ulimit -v {MIN_ADDRESS_SPACE_BYTES // 1024} or more)"
+        )
+
+
 def reset_peak_rss() -> None:
     """Reset this process's peak RSS counter (Linux ``clear_refs``), if allowed."""
     with contextlib.suppress(OSError):
@@ -151,11 +221,14 @@ def process_age_s() -> float:
 
 
 def exit_on_sigterm() -> None:
-    """Raise :class:`etgraph.errors.Terminated` in the main thread when SIGTERM arrives (the
-    default action ends the process at once: no ``finally``, no ``atexit``, so temporary
-    directories holding the model's weights stayed). ORT's native calls finish first."""
+    """Raise :class:`etgraph.errors.Terminated` in the main thread when SIGTERM or SIGHUP
+    arrives (their default action ends the process at once: no ``finally``, no ``atexit``, so
+    temporary directories holding the model's weights stayed). ORT's native calls finish
+    first."""
 
     def terminate(signum, frame):
-        raise Terminated(signal.Signals(signum).name)
+        raise Terminated(signum)
 
-    signal.signal(signal.SIGTERM, terminate)
+    if threading.current_thread() is threading.main_thread():  # where handlers can be set
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, terminate)

@@ -33,6 +33,9 @@ from .files import atomic_target, write_json_atomic
 METADATA_KEY = "etgraph.class_names"
 #: File name of the mapping in a run directory.
 CLASSES_FILE = "classes.json"
+#: The largest integer label taken as a class index (a head wider than this is not a
+#: classifier etgraph trains; larger labels are refused rather than allocated for).
+MAX_CLASS_INDEX = 1_000_000
 
 
 def _is_index(label: str) -> bool:
@@ -83,15 +86,20 @@ def map_labels(
             )
         return names, np.array([index[v] for v in raw], dtype=np.int64)
     if all(_is_index(v) for v in raw):
-        labels = np.array([int(v) for v in raw], dtype=np.int64)
-        top = int(labels.max())
+        values = [int(v) for v in raw]
+        top = max(values)
         if num_classes is not None and top >= num_classes:
             raise DataError(
                 f"{source}: label {top} is outside the model's {num_classes} classes "
                 f"(0..{num_classes - 1}): relabel the data or use a model with a wider head"
             )
+        if top > MAX_CLASS_INDEX:
+            raise DataError(
+                f"{source}: label {top} is not a class index (the largest is "
+                f"{MAX_CLASS_INDEX}): relabel the data with class indices or class names"
+            )
         k = num_classes if num_classes is not None else top + 1
-        return [str(i) for i in range(k)], labels
+        return [str(i) for i in range(k)], np.array(values, dtype=np.int64)
     names = sorted(set(raw))
     if num_classes is not None and len(names) > num_classes:
         raise DataError(

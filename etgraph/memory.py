@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from .errors import ConfigError, ProfileMismatchError
 from .files import read_json, write_json_atomic
+from .host import available_memory_bytes
+from .model import with_batch
 
 __all__ = [
     "MEMORY_FORMAT_VERSION",
@@ -99,6 +102,63 @@ def _dtype_bytes(elem_type: int) -> int:
         return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
     except (KeyError, TypeError, ValueError):
         return 4
+
+
+def least_step_bytes(model: onnx.ModelProto, batch_size: int, shapes) -> float:
+    """A lower bound of the memory one training step of ``model`` at ``batch_size`` and
+    per-example input ``shapes`` (:func:`etgraph.model.input_shapes`) needs, bytes: its
+    weights, plus the largest node's inputs and outputs together (from ONNX shape inference;
+    values whose shape is not static count 0). The weights are not copied: shapes are inferred
+    on the graph with only the small initializers' values, which shape computations read."""
+    graph = onnx.GraphProto()
+    for name in ("node", "input", "output"):
+        getattr(graph, name).extend(getattr(model.graph, name))
+    weights = 0.0
+    for init in model.graph.initializer:
+        elements = math.prod(init.dims)
+        weights += elements * _dtype_bytes(init.data_type)
+        if elements <= 1024:  # shapes, axes, scalars: values shape inference may read
+            graph.initializer.append(init)
+        else:
+            graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
+    light = onnx.helper.make_model(graph, opset_imports=model.opset_import)
+    light.ir_version = model.ir_version
+    light = with_batch(light, batch_size, shapes)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
+    except Exception:  # a model onnx cannot infer: nothing known beyond the weights
+        return weights
+    sizes: dict[str, float] = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+        if t.HasField("shape") and all(d >= 0 for d in dims):
+            sizes[vi.name] = math.prod(dims) * float(_dtype_bytes(t.elem_type))
+    largest = max(
+        (sum(sizes.get(v, 0.0) for v in {*n.input, *n.output}) for n in inferred.graph.node),
+        default=0.0,
+    )
+    return weights + largest
+
+
+def check_step_fits(model, batch_size: int, shapes) -> None:
+    """Refuse, before anything is allocated, a batch size and input shape at which one
+    training step of ``model`` (:class:`etgraph.model.LoadedModel`) cannot fit in the memory
+    this process can still allocate (:func:`least_step_bytes` against
+    :func:`etgraph.host.available_memory_bytes`).
+
+    Raises:
+        ConfigError: naming the shapes, the memory needed and the memory available.
+    """
+    need = least_step_bytes(model.proto, batch_size, shapes)
+    have = available_memory_bytes()
+    if need > have:
+        text = ", ".join(f"{n}={'x'.join(map(str, d))}" for n, d in shapes.items())
+        raise ConfigError(
+            f"input shape {text} at batch {batch_size} needs at least {need / 2**30:.1f} GiB "
+            f"for one training step, and this process can allocate {have / 2**30:.1f} GiB: "
+            "use a smaller --input-shape or --batch-size"
+        )
 
 
 def activation_bytes_after(model: onnx.ModelProto, layers: Sequence[str]) -> np.ndarray:

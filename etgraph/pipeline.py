@@ -27,7 +27,7 @@ from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess
 from .errors import ConfigError
 from .files import exclusive_lock, private_temp_dir
 from .importance import probe_importance
-from .memory import MemoryProfile
+from .memory import MemoryProfile, check_step_fits
 from .model import LoadedModel, TensorInfo, exported_batch_hint
 from .plan import Plan, prepare_compiled_dir
 from .text import check_text_options
@@ -162,6 +162,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         say(f"loading {model if model is not None else 'the embedded default model'}")
         model = load_model(model, output=output, loss=loss)
     shapes = model.input_shapes(input_shape)
+    check_step_fits(model, batch_size, shapes)  # before anything is allocated
     cache_dir = cache_dir if cache_dir is not None else profile.default_cache_dir()
     log.info("%s: %d trainable tensors, inputs %s", model.source.name, len(model.tensors), shapes)
     with private_temp_dir("compile") as work:

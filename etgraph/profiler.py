@@ -116,12 +116,13 @@ from .fold import (
     forward_us_by_anchor,
     saved_forward_fraction,
 )
-from .host import freeze_gc, host_description, physical_cores
+from .host import freeze_gc, host_description, physical_cores, usable_threads
 from .measure import (
     measure_node_overhead_us,
     random_batch,
     step_clock,
 )
+from .memory import check_step_fits
 from .model import LoadedModel, exported_batch_hint
 from .profile import Profile, profile_key
 from .profile_levels import (
@@ -224,8 +225,10 @@ def profile_model(
     threads = physical_cores() if threads is None else int(threads)
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
+    threads = usable_threads(threads)  # the profile records the threads it measured with
     step_clock(clock, threads)
     shapes = model.input_shapes(input_shapes)
+    check_step_fits(model, batch_size, shapes)  # before anything is allocated
     loss = model.task.loss
 
     cache_path = None

@@ -36,6 +36,7 @@ from onnxruntime.training import api
 from .artifacts import bake_frozen
 from .checkpoint import checkpoint_target, read_checkpoint
 from .files import private_temp_dir
+from .host import usable_threads
 
 __all__ = [
     "ROLES",
@@ -162,8 +163,9 @@ def session_options(
 ) -> ort.SessionOptions:
     """``onnxruntime.SessionOptions`` of every ORT session etgraph opens.
 
-    Sequential execution, ``threads`` intra-op threads (None = ORT's default, one per core), and
-    the :class:`OrtConfig` of ``role`` (:data:`ROLES`) unless ``config`` is given.
+    Sequential execution, ``threads`` intra-op threads (None = ORT's default, one per core; at
+    most the CPUs this process may use, :func:`etgraph.host.usable_threads`), and the
+    :class:`OrtConfig` of ``role`` (:data:`ROLES`) unless ``config`` is given.
 
     Args:
         threads: intra-op threads, or None.
@@ -177,7 +179,7 @@ def session_options(
     cfg = config if config is not None else ROLES[role]
     so = ort.SessionOptions()
     if threads is not None:
-        so.intra_op_num_threads = int(threads)
+        so.intra_op_num_threads = usable_threads(int(threads))
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if cfg.spinning else "0")

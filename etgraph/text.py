@@ -124,8 +124,16 @@ def read_text_file(path: str | os.PathLike) -> tuple[list[str], list[str]]:
         label = row.get("label")
         if label is None or str(label).strip() == "":
             raise DataError(f"{path}:{line}: the row has no label: give every row a 'label'")
-        text = row.get("text")
-        texts.append("" if text is None else str(text))
+        text = "" if row.get("text") is None else str(row["text"])
+        for value in (text, str(label)):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON's "\ud800": half of a surrogate pair
+                raise DataError(
+                    f"{path}:{line}: the row holds {value[exc.start : exc.end]!r}, half of a "
+                    "UTF-16 surrogate pair, not a character: fix the escape or drop the row"
+                ) from exc
+        texts.append(text)
         labels.append(str(label).strip())
     if not texts:
         raise DataError(f"{path} has no rows: add rows with 'text' and 'label'")
@@ -140,13 +148,28 @@ def _missing_columns(path: Path, columns: Sequence[str]) -> DataError:
     )
 
 
+#: The longest CSV field read, in characters (the csv module's default is 128 KiB; a text
+#: longer than that is legitimate, it is truncated to the model's sequence length).
+CSV_FIELD_LIMIT = 2**31 - 1
+
+
 def _read_csv(path: Path) -> list[tuple[int, dict]]:
-    with path.open(encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
-        columns = reader.fieldnames or []
-        if "text" not in columns or "label" not in columns:
-            raise _missing_columns(path, columns)
-        return [(reader.line_num, row) for row in reader]
+    limit = csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            reader = csv.DictReader(f)
+            try:
+                columns = reader.fieldnames or []
+                if "text" not in columns or "label" not in columns:
+                    raise _missing_columns(path, columns)
+                return [(reader.line_num, row) for row in reader]
+            except csv.Error as exc:
+                raise DataError(
+                    f"{path}:{reader.line_num}: not readable CSV ({exc}): save it as CSV with a "
+                    "header row"
+                ) from exc
+    finally:
+        csv.field_size_limit(limit)
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
@@ -291,5 +314,13 @@ def load_text_data(
     )
     tokenizer = load_tokenizer(tokenizer_path, vocab_rows=vocab_rows)
     inputs = tokenize(tokenizer, texts, seq_len, input_names)
+    ids = inputs.get("input_ids")
+    if vocab_rows is not None and ids is not None and ids.size and int(ids.max()) >= vocab_rows:
+        pad = _pad_id(tokenizer)
+        what = f"pads with id {pad}" if pad >= vocab_rows else f"gives id {int(ids.max())}"
+        raise DataError(
+            f"tokenizer {tokenizer_path} {what}, outside the model's embedding table of "
+            f"{vocab_rows} rows: fix its padding pad_id (or use the model's own tokenizer)"
+        )
     log.info("%s: %d texts, %d classes, T=%d", path, len(texts), len(names), seq_len)
     return TextData(str(path), inputs, labels, names, texts)

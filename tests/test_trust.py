@@ -30,6 +30,7 @@ from helpers import (
     run_cli_in_process,
 )
 from onnx import external_data_helper, helper
+from PIL import Image, ImageCms
 
 from etgraph.errors import ModelError
 from etgraph.model import LoadedModel
@@ -394,3 +395,332 @@ def test_the_trained_model_appears_only_complete(cli, default_profile, monkeypat
     final = (out / "model_trained.onnx").read_bytes()
     assert all(snapshot == final for snapshot in seen)
     assert not list(out.glob(".model_trained.onnx.*"))
+
+
+def test_checkpoint_digests_follow_saves_and_fallbacks(tmp_path):
+    from etgraph.checkpoint import checkpoint_target, verify_checkpoint
+    from etgraph.errors import CheckpointError
+
+    path = tmp_path / "checkpoint"
+
+    def save(data: bytes) -> None:
+        with checkpoint_target(path) as tmp:
+            tmp.write_bytes(data)
+
+    save(b"A" * 100)
+    save(b"B" * 100)
+    assert verify_checkpoint(path) and (tmp_path / "checkpoint.prev").read_bytes() == b"A" * 100
+    path.write_bytes(b"B" * 99 + b"X")  # damaged in place
+    assert not verify_checkpoint(path) and path.read_bytes() == b"A" * 100
+    assert not path.samefile(tmp_path / "checkpoint.prev")  # restored as a copy
+    save(b"C" * 100)  # after a fallback, the previous one kept is the one resumed from
+    path.write_bytes(b"garbage")
+    assert not verify_checkpoint(path) and path.read_bytes() == b"A" * 100
+    path.write_bytes(b"garbage")
+    (tmp_path / "checkpoint.prev").write_bytes(b"garbage too")
+    with pytest.raises(CheckpointError, match="is damaged"):
+        verify_checkpoint(path)
+
+
+# ---- image modes: every mode Pillow opens decodes to the right picture, or is refused -------
+
+H, W = 6, 8
+GREY = np.linspace(0, 255, H * W).round().astype(np.uint8).reshape(H, W)
+RGB = np.stack([GREY, 255 - GREY, GREY // 2], axis=-1)
+
+
+def _image(mode: str) -> tuple[Image.Image, str, np.ndarray, float]:
+    """A picture in ``mode``, the file suffix to save it as, the 8-bit RGB [H, W, 3] it must
+    decode to, and the tolerance (lossy or approximate conversions)."""
+    grey3 = np.repeat(GREY[:, :, None], 3, axis=2)
+    alpha = (255 - GREY)[:, :, None]
+    if mode == "I;16":
+        return Image.fromarray(GREY.astype(np.uint16) * 257), ".png", grey3, 0
+    if mode == "I":
+        return Image.fromarray(GREY.astype(np.int32) * 257), ".tif", grey3, 0
+    if mode == "F":  # floats in [0, 1]
+        return Image.fromarray(GREY.astype(np.float32) / 255), ".tif", grey3, 0.01
+    if mode == "F255":  # floats in [0, 255]
+        return Image.fromarray(GREY.astype(np.float32)), ".tif", grey3, 0.01
+    if mode == "RGBA":
+        return Image.fromarray(np.concatenate([RGB, alpha], axis=2), "RGBA"), ".png", RGB, 0
+    if mode == "LA":
+        return Image.fromarray(np.stack([GREY, 255 - GREY], -1), "LA"), ".png", grey3, 0
+    if mode in ("P", "PA"):
+        img = Image.fromarray(RGB).convert("P")
+        if mode == "PA":
+            img.info["transparency"] = 0
+        return img, ".png", np.asarray(img.convert("RGB")), 0
+    if mode == "1":
+        img = Image.fromarray(GREY).convert("1")
+        return img, ".png", np.repeat(np.asarray(img, np.uint8)[:, :, None] * 255, 3, 2), 0
+    if mode == "CMYK":
+        return Image.fromarray(RGB).convert("CMYK"), ".tif", RGB, 1
+    if mode == "LAB":  # 8-bit LAB loses up to 20/255 of sRGB: compared with LittleCMS's
+        lab, srgb = ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB")
+        img = Image.fromarray(RGB).convert("LAB")
+        to_rgb = ImageCms.buildTransformFromOpenProfiles(lab, srgb, "LAB", "RGB")
+        return img, ".tif", np.asarray(ImageCms.applyTransform(img, to_rgb)), 0
+    if mode == "L":
+        return Image.fromarray(GREY, "L"), ".png", grey3, 0
+    return Image.fromarray(RGB, "RGB"), ".png", RGB, 0
+
+
+@pytest.mark.parametrize(
+    "mode", ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "LAB", "I;16", "I", "F", "F255"]
+)
+def test_every_image_mode_decodes_to_its_picture(mode, tmp_path):
+    from etgraph.data import load_image_folder, make_preprocess
+
+    img, suffix, expected, tolerance = _image(mode)
+    (tmp_path / "a").mkdir()
+    path = tmp_path / "a" / f"x{suffix}"
+    img.save(path, **({"transparency": 0} if mode == "PA" else {}))
+    with Image.open(path) as reopened:  # the file holds the mode under test
+        assert reopened.mode == {"F255": "F", "PA": "P"}.get(mode, mode), reopened.mode
+    dataset = load_image_folder(
+        tmp_path, input_shape=(3, H, W), val_fraction=0, preprocess=make_preprocess("none")
+    )
+    x, _ = next(dataset.val_batches(1)) if dataset.n_val else dataset.probe_batch(1, 0)
+    decoded = np.moveaxis(x[0], 0, -1) * 255  # [H, W, 3], 0-255
+    assert np.abs(decoded - expected).max() <= tolerance + 1e-3, mode
+
+
+@pytest.mark.parametrize(
+    ("array", "fragment"),
+    [
+        (np.array([[-5.0, 300.0]], np.float32), "float picture with values -5..300"),
+        (np.array([[0.0, np.nan]], np.float32), "float picture"),
+        (np.array([[0, 70000]], np.int32), "beyond 16 bits"),
+    ],
+    ids=["float-range", "float-nan", "int32-range"],
+)
+def test_an_image_that_cannot_be_scaled_is_refused(cli, default_profile, tmp_path, array, fragment):
+    for label in ("a", "b"):  # every picture is one of them: the first batch decodes one
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.resize(array, (8, 8))).save(tmp_path / "data" / label / f"{i}.tif")
+    done = cli(
+        "train", "--out", tmp_path / "run", "--profile", default_profile[1],
+        "--data", tmp_path / "data", *QUICK_TRAIN,
+    )  # fmt: skip
+    assert_user_error(done, "cannot read image", ".tif", fragment)
+
+
+def test_a_decompression_bomb_is_refused_in_one_line(cli, default_profile, monkeypatch, tmp_path):
+    for label in ("a", "b"):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "data" / label / f"{i}.png")
+    bomb = tmp_path / "data" / "a" / "bomb.png"
+    Image.fromarray(np.zeros((150, 150), np.uint8)).save(bomb)
+    # Pillow refuses pictures of more than 2 * MAX_IMAGE_PIXELS: 10000 stands for 89 million
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10000)
+    done = cli(
+        "train", "--out", tmp_path / "run", "--profile", default_profile[1],
+        "--data", tmp_path / "data", *QUICK_TRAIN,
+    )  # fmt: skip
+    assert_user_error(done, f"cannot read image {bomb}", "decompression bomb")
+
+
+# ---- text and tabular edge cases: one line each, or read correctly --------------------------
+
+
+@pytest.fixture
+def tokenizer_json(tmp_path) -> Path:
+    """A word-level tokenizer: [PAD]=0 [UNK]=1, then a few words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "good", "bad", "film"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path / "tokenizer.json"
+
+
+def load_text(path: Path, tokenizer: Path, num_classes: int | None = 2):
+    from etgraph.text import load_text_data
+
+    return load_text_data(
+        path, tokenizer, input_names=["input_ids"], seq_len=6, vocab_rows=5,
+        num_classes=num_classes,
+    )  # fmt: skip
+
+
+def test_a_csv_text_field_over_128_kib_is_read(tmp_path, tokenizer_json):
+    long = " ".join(["good"] * 50_000)  # 250 KB: csv's default field limit is 128 KiB
+    path = tmp_path / "t.csv"
+    path.write_text(f"text,label\n{long},1\nbad film,0\n")
+    data = load_text(path, tokenizer_json)
+    assert data.inputs["input_ids"][0].tolist() == [2] * 6
+    assert data.labels.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("num_classes", [2, None], ids=["head-2", "symbolic-head"])
+def test_a_huge_integer_label_is_refused(tmp_path, tokenizer_json, num_classes):
+    from etgraph.errors import DataError
+
+    path = tmp_path / "t.csv"
+    path.write_text("text,label\ngood film,99999999999999999999999\nbad film,0\n")
+    with pytest.raises(DataError, match="label 99999999999999999999999 is "):
+        load_text(path, tokenizer_json, num_classes)
+
+
+def test_a_lone_surrogate_in_jsonl_is_refused(tmp_path, tokenizer_json):
+    from etgraph.errors import DataError
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "good", "label": "a"}\n{"text": "bad \\ud800", "label": "b"}\n')
+    with pytest.raises(DataError, match=r"t.jsonl:2: .*surrogate"):
+        load_text(path, tokenizer_json)
+
+
+def test_a_pad_id_outside_the_embedding_table_is_refused(tmp_path, tokenizer_json):
+    from tokenizers import Tokenizer
+
+    from etgraph.errors import DataError
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok.enable_padding(pad_id=1_000_000, pad_token="[PAD]")
+    tok.save(str(tokenizer_json))
+    path = tmp_path / "t.csv"
+    path.write_text("text,label\ngood,1\nbad film,0\n")
+    with pytest.raises(DataError, match="pads with id 1000000, outside the model's embedding"):
+        load_text(path, tokenizer_json)
+
+
+def test_an_npz_with_zero_rows_is_refused(cli, default_profile, tmp_path):
+    np.savez(
+        tmp_path / "d.npz", input=np.zeros((0, 3, 32, 32), np.float32), labels=np.zeros(0, int)
+    )
+    done = cli("train", "--out", tmp_path / "run", "--profile", default_profile[1],
+               "--data", tmp_path / "d.npz", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "d.npz holds 0 examples")
+
+
+def test_a_negative_seed_is_refused(cli, default_profile, tmp_path):
+    done = cli("train", "--out", tmp_path / "run", "--profile", default_profile[1],
+               "--seed", "-1", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "seed must be a non-negative integer, got -1")
+
+
+# ---- resource limits: bounded, or refused in one line before anything is allocated ----------
+
+
+def test_threads_beyond_the_cpus_are_bounded(default_model_path, tmp_path):
+    env = {"ETGRAPH_CACHE": str(tmp_path / "cache")}
+    args = ("profile", default_model_path, "-o", tmp_path / "p.json", "--repeats", "1")
+    done = run_cli(*args, "--threads", "100000", env=env)
+    assert done.returncode == 0, done.stderr
+    cpus = len(os.sched_getaffinity(0))
+    assert f"100000 threads asked for, {cpus} CPUs to run them on: using {cpus}" in done.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["threads"] == cpus
+
+
+def test_probe_batches_beyond_the_data_are_refused(cli, default_profile, tmp_path):
+    done = cli("train", "--out", tmp_path / "run", "--profile", default_profile[1],
+               "--probe-batches", "100000", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "--probe-batches 100000 is more than the", "pass at most")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "compile", "profile"])
+def test_an_input_shape_too_big_for_memory_is_refused_before_allocating(
+    cli, default_model_path, tmp_path, command
+):
+    # 4 x 3 x 60000 x 60000 float32: the input alone is 161 GiB (numpy's allocation fails at
+    # once on any machine: this test never takes the memory)
+    out = {"train": ["--out"], "compile": ["-o"], "profile": [default_model_path, "-o"]}
+    done = cli(command, *out[command], tmp_path / "out", "--input-shape", "3x60000x60000")
+    assert_user_error(done, "input shape input=3x60000x60000 at batch 4 needs at least", "GiB")
+
+
+def limited(resource_id: int, limit: int):
+    """``preexec_fn`` setting ``resource_id``'s soft and hard limits in the child."""
+    import resource
+
+    return lambda: resource.setrlimit(resource_id, (limit, limit))
+
+
+def test_an_address_space_limit_too_low_to_load_is_one_line(tmp_path):
+    import resource
+
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "train", "--out", tmp_path / "run", "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        preexec_fn=limited(resource.RLIMIT_AS, 700 * 2**20),  # torch's import aborted here
+    )
+    assert_user_error(done, "address-space limit (ulimit -v) is 700 MiB", "raise it")
+
+
+def test_out_of_memory_and_disk_inside_libraries_are_recognised():
+    from etgraph.errors import ResourceError, resource_error
+
+    ort_save = RuntimeError(
+        "checkpoint.cc:231 ToFile Failed to save checkpoint to file: /x/.checkpoint.h9. "
+        "error:No space left on device errno:28"
+    )
+    assert "no room to write" in str(resource_error(ort_save))
+    full = OSError(28, "No space left on device", "/x/model.onnx")
+    assert "no room to write /x/model.onnx" in str(resource_error(full))
+    threads = RuntimeError(
+        "pthread_create failed, error code: 12 error msg: Cannot allocate memory"
+    )
+    assert str(resource_error(threads)).startswith("out of memory")
+    wrapped = ValueError("build failed")
+    wrapped.__cause__ = MemoryError()
+    assert isinstance(resource_error(wrapped), ResourceError)
+    assert resource_error(ValueError("a bug")) is None
+
+
+def test_a_file_size_limit_during_compile_keeps_the_last_compile(compiled, cache_env, tmp_path):
+    import resource
+
+    out = tmp_path / "c"
+    shutil.copytree(compiled, out)
+    before = files_of(out)
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "compile", "-o", out, "--repeats", "1", "--rho", "0.7"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **cache_env},
+        preexec_fn=limited(resource.RLIMIT_FSIZE, 300_000),  # model.onnx is 485 KB
+    )
+    assert_user_error(done, "no room to write", "File too large")
+    assert files_of(out) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root only), grown with ``small_disk.grow()``."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", mount])
+    if done.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+
+    class Disk:
+        path = mount
+
+        @staticmethod
+        def grow():
+            subprocess.run(["mount", "-o", "remount,size=20m", mount], check=True)
+
+    yield Disk
+    subprocess.run(["umount", mount])
+
+
+def test_a_full_disk_during_training_loses_nothing(small_disk, default_profile, cache_env):
+    out = small_disk.path / "run"
+    args = ["--epochs", "2", "--period", "1", "--max-steps-per-epoch", "2"]
+    train = ["train", "--out", out, "--profile", default_profile[1], *args, "--quiet"]
+    done = run_cli(*train, "--max-val-batches", "1", env=cache_env)  # checkpoint 1 fits, 2 not
+    assert_user_error(done, "no room to write", f"etgraph train --resume {out}")
+    assert (out / "checkpoint").is_file()  # epoch 1's (the disk filled in period 2)
+    small_disk.grow()
+    done = run_cli("train", "--resume", out, env=cache_env)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming {out} after epoch 1 of 2" in done.stdout + done.stderr
+    assert [r["epoch"] for r in map(json.loads, (out / "log.jsonl").open())] == [1, 2]
+    assert (out / "model_trained.onnx").is_file()
