@@ -75,7 +75,7 @@ from .data import Preprocess, load_task_data
 from .errors import ConfigError
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
-from .sessions import GradientSession, OrtConfig
+from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch
 
 log = logging.getLogger(__name__)
 
@@ -552,14 +552,21 @@ def probe_importance(
         tokenizer=tokenizer,
         preprocess=preprocess,
     )
-    batches = [dataset.probe_batch(batch_size, seed + i) for i in range(probe_batches)]
+    batches = []
+    for i in range(probe_batches):  # a dataset smaller than the batch: padded to the batch shape
+        x, y = dataset.probe_batch(batch_size, seed + i)
+        batches.append(padded_batch(as_inputs(x, model.input_names), y, batch_size))
     with tempfile.TemporaryDirectory(prefix="etgraph-importance-") as tmp:
         root = Path(cache_dir) if cache_dir is not None else Path(tmp)
+        # At the probe's static batch shape, as every other session: ORT's gradient builder
+        # takes two different symbolic dims to be equal, so a broadcast it cannot see (a
+        # DistilBERT's [1, T] position ids against [B, T] tokens) is not summed, and the
+        # gradient kernels write past their buffers (a crash, or heap corruption).
         evaluator = ImportanceEvaluator(
             model.proto,
             model.names,
             model.running_stats,
-            ArtifactCache(root),
+            ArtifactCache(root, static_batch=(batch_size, input_shapes)),
             weight_decay=weight_decay,
             loss=model.task.loss,
             input_names=model.input_names,

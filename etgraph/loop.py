@@ -133,7 +133,7 @@ from .memory import MemoryProfile
 from .model import LoadedModel
 from .onnx_io import export_with_original_outputs, original_outputs, restore_exported
 from .plots import plot_run
-from .profile import Profile
+from .profile import Profile, default_cache_dir
 from .rundir import (
     ARTIFACTS_DIR,
     CHECKPOINT_FILE,
@@ -169,6 +169,7 @@ from .sessions import (
     ConfigChoice,
     GradientSession,
     TrainingSession,
+    check_sessions,
     choose_train_config,
     evaluate_onnx,
 )
@@ -1509,6 +1510,10 @@ def train(
     if started_at is not None:
         run.started_at = started_at
     run.check_deadline()
+    check_sessions(  # a native crash of ORT on this model: one line (once per model)
+        model, config.batch_size, run.input_shapes, threads=run.threads,
+        frozen_bn=config.frozen_bn, cache=run.cache, record_dir=default_cache_dir(),
+    )  # fmt: skip
     if memory_profile is not None and config.memory_mb is not None:  # the model's own floor
         check_memory_floor(MemoryCosts.from_profile(memory_profile, config.memory_mb))
     profile.save(out / PROFILE_FILE)

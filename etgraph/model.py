@@ -38,6 +38,7 @@ from .ops import FLOAT_TYPES, data_path_values, op_rule
 
 __all__ = [
     "LOSSES",
+    "Batch",
     "InputSpec",
     "LoadedModel",
     "Task",
@@ -45,6 +46,7 @@ __all__ = [
     "input_shapes",
     "input_specs",
     "parse_input_shapes",
+    "random_batch",
     "removed_head",
     "running_statistics",
     "task_of",
@@ -608,6 +610,58 @@ def with_batch(
     odim.Clear()
     odim.dim_value = int(batch_size)
     return out
+
+
+@dataclass
+class Batch:
+    """One fixed training batch.
+
+    Attributes:
+        inputs: every model input by name, ``[B, ...]`` each, of the input's dtype.
+        labels: the target: int64 [B] class indices (ce) or float32 [B, D] (mse).
+        label_name: the training graph's target input (:attr:`etgraph.model.Task.label_name`).
+    """
+
+    inputs: dict[str, np.ndarray]
+    labels: np.ndarray
+    label_name: str = "labels"
+
+
+def random_batch(
+    batch_size: int,
+    inputs: Sequence[InputSpec],
+    shapes: Mapping[str, Sequence[int]],
+    task: Task,
+) -> Batch:
+    """A reproducible random batch (seed 0) for a model.
+
+    Float inputs are standard normal; integer inputs used as lookup indices are uniform in
+    ``[0, index_rows)`` (valid token ids); other integer and bool inputs are ones (a mask that
+    keeps everything). Labels: uniform in ``[0, K)`` (ce) or standard normal ``[B, D]`` (mse).
+
+    Raises:
+        ModelError: the output width (K or D) is not static.
+    """
+    if task.width is None:
+        raise ModelError(
+            f"model output {task.output!r} must be [B, K] (or [B, D] for mse) with a static "
+            "last dim"
+        )
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for spec in inputs:
+        shape = (batch_size, *shapes[spec.name])
+        if spec.is_float:
+            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        elif spec.index_rows:
+            feeds[spec.name] = rng.integers(0, spec.index_rows, size=shape).astype(spec.dtype)
+        else:
+            feeds[spec.name] = np.ones(shape, dtype=spec.dtype)
+    if task.loss == "ce":
+        labels = rng.integers(0, task.width, size=batch_size).astype(np.int64)
+    else:
+        labels = rng.standard_normal((batch_size, task.width)).astype(np.float32)
+    return Batch(inputs=feeds, labels=labels, label_name=task.label_name)
 
 
 # ---- the loaded model ----

@@ -140,6 +140,7 @@ from .measure import (
 )
 from .model import LoadedModel, TensorInfo, exported_batch_hint
 from .profile import Profile, format_shapes, profile_key
+from .sessions import check_sessions
 from .timing import BranchCharges, backward_us, step_us
 
 log = logging.getLogger(__name__)
@@ -277,6 +278,10 @@ def profile_model(
         tempfile.TemporaryDirectory(prefix="etgraph-profile-") as work,
         exported_batch_hint(model.proto, batch_size),
     ):
+        # A native crash of ORT on this graph: one line, before any session runs in-process.
+        check_sessions(
+            model, batch_size, shapes, threads=threads, cache=artifact_cache, record_dir=cache_dir
+        )
         prof = _profile(
             model,
             shapes,
