@@ -34,6 +34,7 @@ from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from . import onnx_io
 from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
+from .exporters import remedy
 from .ops import FLOAT_TYPES, data_path_values, op_rule
 
 __all__ = [
@@ -195,7 +196,12 @@ def trainable_tensors(model: onnx.ModelProto) -> list[TensorInfo]:
     if not rows:
         raise ModelError(
             "the model has no trainable tensors (no float initializer reaches the data path); "
-            "export it with its weights as initializers (do_constant_folding=False)"
+            + remedy(
+                "export it with its weights as initializers",
+                producer_name=model.producer_name,
+                torch="do_constant_folding=False",
+                needed="weights it can train (float initializers)",
+            )
         )
     rows.sort(key=lambda r: (r[0], r[1]))
     return [
@@ -580,8 +586,12 @@ def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[Non
         raise ModelError(
             f"onnxruntime cannot run the model at batch {batch_size}: it was exported at batch "
             f"{exported}, which its graph fixes where etgraph cannot free it (e.g. attention "
-            f"reshapes) ({cause}): use --batch-size {exported}, or export it with a dynamic batch "
-            "dimension (torch: dynamic_axes={'input': {0: 'batch'}})"
+            f"reshapes) ({cause}): use --batch-size {exported}, or "
+            + remedy(
+                "export it with a dynamic batch dimension",
+                producer_name=model.producer_name,
+                torch="dynamic_axes={'input': {0: 'batch'}}",
+            ).removesuffix(" and re-export")
         ) from exc
 
 

@@ -67,6 +67,8 @@ class OpRule:
         fix: for ``gradient`` False or ``"rewrite"``: what to do about the op, as said in errors.
         why: for ``gradient`` False: what is wrong with its gradient in onnxruntime-training
             1.19.2, as said in errors.
+        torch_fix: how a torch user makes ``fix`` (said only for models torch exported:
+            :func:`etgraph.exporters.remedy`).
         index_slots: input indices that select from the op's data (Gather's indices): they carry
             no gradient, but an output selected by values computed from the model's inputs
             (token ids) is on the data path (:func:`data_path_values`).
@@ -87,6 +89,7 @@ class OpRule:
     index_slots: tuple[int, ...] = ()
     embedding_grad: bool = False
     why: str = "has no gradient"
+    torch_fix: str = ""
 
 
 DEFAULT_RULE = OpRule()
@@ -173,9 +176,9 @@ OP_RULES: dict[str, OpRule] = {
     **{
         op: OpRule(
             gradient=False,
-            fix="export without data-dependent control flow (torch: .squeeze(dim) of a "
-            "symbolic dim exports an If, use .flatten(1) or .reshape; nn.EmbeddingBag a Loop, "
-            "use nn.Embedding and a mean)",
+            fix="export without data-dependent control flow",
+            torch_fix=".squeeze(dim) of a symbolic dim exports an If, use .flatten(1) or "
+            ".reshape; nn.EmbeddingBag a Loop, use nn.Embedding and a mean",
         )
         for op in ("If", "Loop", "Scan")
     },

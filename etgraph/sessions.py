@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnxruntime.training import api
 
@@ -65,6 +66,7 @@ __all__ = [
     "choose_train_config",
     "evaluate_onnx",
     "inference_session",
+    "looks_like_probabilities",
     "padded_batch",
     "pick_fastest",
     "run_isolated",
@@ -714,6 +716,7 @@ class Isolated:
             again in-process, with its usual message), ``"crashed"`` (the child raised SIGSEGV,
             SIGABRT, SIGBUS, SIGFPE or SIGILL), ``"killed"`` (another signal: the OOM killer, a
             user) or ``"timeout"``.
+        value: what the function returned (``"ok"``), through JSON.
         detail: for ``"crashed"``, the signal's name and the last line native code wrote to
             stderr (e.g. ``SIGABRT: free(): invalid next size (normal)``); the exception's last
             line for ``"error"``.
@@ -721,6 +724,7 @@ class Isolated:
 
     status: str
     detail: str = ""
+    value: object = None
 
 
 def run_isolated(fn: Callable[[], object], *, timeout_s: float = ISOLATION_TIMEOUT_S) -> Isolated:
@@ -733,10 +737,11 @@ def run_isolated(fn: Callable[[], object], *, timeout_s: float = ISOLATION_TIMEO
     only the calling thread.
 
     Args:
-        fn: the work, e.g. opening a session and running one step.
+        fn: the work, e.g. opening a session and running one step; returns something JSON can
+            carry (or None).
         timeout_s: the child is killed after this many seconds (status ``"timeout"``).
     """
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as result:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -744,7 +749,8 @@ def run_isolated(fn: Callable[[], object], *, timeout_s: float = ISOLATION_TIMEO
             code = 0
             try:
                 os.dup2(err.fileno(), 2)
-                fn()
+                result.write(json.dumps(fn()).encode())
+                result.flush()
             except BaseException:  # noqa: BLE001  (reported through the exit code)
                 os.write(2, traceback.format_exc().encode())
                 code = 1
@@ -767,6 +773,8 @@ def run_isolated(fn: Callable[[], object], *, timeout_s: float = ISOLATION_TIMEO
                 os.waitpid(pid, 0)
         err.seek(0)
         lines = [line.strip() for line in err.read().decode(errors="replace").splitlines()]
+        result.seek(0)
+        value = result.read()
     last = next((line for line in reversed(lines) if line), "")[:300]
     if status is None:
         return Isolated("timeout", f"no answer in {timeout_s:g} s")
@@ -778,7 +786,7 @@ def run_isolated(fn: Callable[[], object], *, timeout_s: float = ISOLATION_TIMEO
         return Isolated("crashed", f"{name}: {last}" if last else name)
     if os.WEXITSTATUS(status) != 0:
         return Isolated("error", last)
-    return Isolated("ok")
+    return Isolated("ok", value=json.loads(value))
 
 
 def first_steps(
@@ -875,17 +883,25 @@ def check_sessions(
             for m in selections
         ]
         b = random_batch(batch_size, model.inputs, shapes, model.task)
-        t0 = time.perf_counter()
-        outcome = run_isolated(
-            lambda: first_steps(
+        forward = model.proto.SerializeToString()
+
+        def work() -> bool:
+            """The forward model's output on the batch, then the first steps; returns whether
+            the output looks like probabilities."""
+            inference = inference_session(forward, session_options(threads, role="eval"))
+            (outputs,) = inference.run([model.task.output], b.inputs)
+            del inference
+            first_steps(
                 directories,
                 (b.inputs, b.labels),
                 threads,
                 loss=model.task.loss,
                 input_names=model.input_names,
-            ),
-            timeout_s=timeout_s,
-        )
+            )
+            return model.task.loss == "ce" and looks_like_probabilities(outputs)
+
+        t0 = time.perf_counter()
+        outcome = run_isolated(work, timeout_s=timeout_s)
     log.debug("first steps in a child process: %s in %.2f s", outcome, time.perf_counter() - t0)
     if outcome.status == "crashed":
         raise NativeCrashError(
@@ -894,6 +910,14 @@ def check_sessions(
             "process): a bug in ORT's training kernels on this graph, not in your data; sizes "
             "computed from the data rather than the input shape are a known trigger: export "
             "without them, or report it to onnxruntime with the model"
+        )
+    if outcome.status == "ok" and outcome.value:
+        raise ModelError(
+            f"{model.source}: output {model.task.output!r} holds probabilities, not logits "
+            f"(non-negative, every row sums to 1; made by {producers(model.proto)}): "
+            "cross-entropy on it would train the wrong loss. Export the model without the "
+            "layers that normalise its logits (etgraph takes a final Softmax off and puts it "
+            "back on the trained model itself)"
         )
     if outcome.status != "ok":  # met again in-process, or a hang: not recorded
         return
@@ -904,3 +928,28 @@ def check_sessions(
 
 
 _CHECKED: set[str] = set()  # check_sessions keys that passed in this process
+
+
+def looks_like_probabilities(outputs: np.ndarray, tolerance: float = 1e-4) -> bool:
+    """Whether a classifier's output ``[B, K]`` (or ``[B, K, 1, ...]``) is probabilities rather
+    than logits: K >= 2, every entry non-negative and every row summing to 1 within
+    ``tolerance`` (what a Softmax makes, whatever its input; logits almost never do)."""
+    try:
+        p = class_logits(np.asarray(outputs)).astype(np.float64)
+    except ValueError:
+        return False
+    if p.ndim != 2 or p.shape[1] < 2 or not np.isfinite(p).all():
+        return False
+    return bool((p >= 0).all() and np.abs(p.sum(axis=1) - 1.0).max() <= tolerance)
+
+
+def producers(model: onnx.ModelProto, depth: int = 4) -> str:
+    """The ops that make the first output, nearest first, e.g. ``"Mul <- Softmax <- Gemm"``
+    (at most ``depth``; following each node's first input)."""
+    made_by = {v: n for n in model.graph.node for v in n.output}
+    chain, value = [], model.graph.output[0].name
+    while value in made_by and len(chain) < depth:
+        node = made_by[value]
+        chain.append(node.op_type)
+        value = node.input[0] if node.input else ""
+    return " <- ".join(chain) or "a graph input"

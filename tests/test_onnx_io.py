@@ -628,8 +628,17 @@ def test_control_flow_reading_the_data_is_refused():
     model = conv_head(nodes, "s")
     assert node_reads(model.graph.node[2]) == ["cond", "c"]
     assert "s" in data_path_values(model.graph)
+    model.producer_name = "pytorch"  # the torch hint, for a torch export only
     with pytest.raises(UnsupportedOpError, match=r"node 'branchy' uses op If, .* \.flatten\(1\)"):
         RefuseNoGradOpsPass("m.onnx")(ir.from_proto(model))
+    model.producer_name = "tf2onnx"
+    with pytest.raises(UnsupportedOpError) as refused:
+        RefuseNoGradOpsPass("m.onnx")(ir.from_proto(model))
+    assert "squeeze" not in str(refused.value)
+    assert str(refused.value).endswith(
+        "export without data-dependent control flow in the TensorFlow/Keras (or JAX through "
+        "jax2tf) model and convert it again with tf2onnx"
+    )
 
 
 def test_refuse_no_grad_ops_pass_on_and_off_the_data_path():
@@ -703,6 +712,7 @@ def test_pipeline_order_can_be_printed():
         "MaterializeWeightsPass",
         "UntieSharedWeightsPass",
         "SelectOutputPass",
+        "DropOutputNoOpsPass",
         "RemoveSoftmaxHeadPass",
         "FlattenClassOutputPass",
         "FreeBatchDimPass",

@@ -8,6 +8,7 @@ import os
 import signal
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from helpers import assert_user_error, run_cli
@@ -212,3 +213,190 @@ def test_probe_session_has_static_shapes(tmp_path, text_data):
         if i.name in model.input_names
     }
     assert dims == {"input_ids": [4, SEQ_LEN], "attention_mask": [4, SEQ_LEN]}
+
+
+# ---- scikit-learn through skl2onnx, as it writes a classifier -------------------------------
+
+
+def skl_mlp(zipmap: bool, tail: str = "Identity", probabilities: str = "softmax"):
+    """An MLPClassifier (8 features, 16 hidden, 3 classes) the way skl2onnx 1.20 writes it:
+    ``Softmax -> Identity -> probabilities`` beside ``ArgMax -> ArrayFeatureExtractor ->
+    label`` (``options={'zipmap': False}``), or with its default ZipMap output (a sequence of
+    {class: probability} maps). ``tail``: the op after the Softmax (Identity, Cast, Flatten);
+    ``probabilities="manual"``: the Softmax written as Exp / ReduceSum / Div."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (8, 16)).astype(np.float32), "coefficient"),
+        numpy_helper.from_array(rng.normal(0, 0.1, 16).astype(np.float32), "intercepts"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (16, 3)).astype(np.float32), "coefficient1"),
+        numpy_helper.from_array(rng.normal(0, 0.1, 3).astype(np.float32), "intercepts1"),
+        numpy_helper.from_array(np.arange(3, dtype=np.int64), "classes"),
+        numpy_helper.from_array(np.array([-1], np.int64), "shape_tensor"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes"),
+    ]
+    nodes = [
+        helper.make_node("Cast", ["X"], ["cast_input"], name="Cast", to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["cast_input", "coefficient"], ["mul_result"], name="MatMul"),
+        helper.make_node("Add", ["mul_result", "intercepts"], ["add_result"], name="Add"),
+        helper.make_node("Relu", ["add_result"], ["next_activations"], name="Relu"),
+        helper.make_node("MatMul", ["next_activations", "coefficient1"], ["mul1"], name="MatMul1"),
+        helper.make_node("Add", ["mul1", "intercepts1"], ["add1"], name="Add1"),
+    ]
+    if probabilities == "softmax":
+        nodes.append(helper.make_node("Softmax", ["add1"], ["out_activations_result"], axis=1))
+    else:
+        nodes += [
+            helper.make_node("Exp", ["add1"], ["exp"], name="Exp"),
+            helper.make_node("ReduceSum", ["exp", "axes"], ["total"], name="ReduceSum"),
+            helper.make_node("Div", ["exp", "total"], ["out_activations_result"], name="Div"),
+        ]
+    nodes.append(helper.make_node("ArgMax", ["out_activations_result"], ["argmax"], axis=1))
+    nodes.append(
+        helper.make_node(
+            "ArrayFeatureExtractor", ["classes", "argmax"], ["afe"], domain="ai.onnx.ml"
+        )
+    )
+    nodes.append(helper.make_node("Reshape", ["afe", "shape_tensor"], ["reshaped"]))
+    outputs = []
+    if zipmap:
+        nodes.append(helper.make_node("Cast", ["reshaped"], ["output_label"], to=7))
+        nodes.append(
+            helper.make_node(
+                "ZipMap", ["out_activations_result"], ["output_probability"],
+                classlabels_int64s=[0, 1, 2], domain="ai.onnx.ml",
+            )
+        )  # fmt: skip
+        maps = helper.make_sequence_type_proto(
+            helper.make_map_type_proto(
+                TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])
+            )
+        )
+        outputs = [
+            helper.make_tensor_value_info("output_label", TensorProto.INT64, [None]),
+            helper.make_value_info("output_probability", maps),
+        ]
+    else:
+        nodes.append(helper.make_node("Cast", ["reshaped"], ["label"], to=7))
+        attrs = {"to": TensorProto.FLOAT} if tail == "Cast" else {}
+        nodes.append(helper.make_node(tail, ["out_activations_result"], ["probabilities"], **attrs))
+        outputs = [
+            helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 3]),
+        ]
+    for i, node in enumerate(nodes):
+        node.name = node.name or f"{node.op_type}_{i}"
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 8])],
+        outputs, initializer=inits,
+    )  # fmt: skip
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)]
+    )
+    model.ir_version = 8
+    model.producer_name = "skl2onnx"
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize("tail", ["Identity", "Cast", "Flatten"])
+def test_head_is_seen_through_no_ops(tmp_path, tail):
+    """skl2onnx's ``Softmax -> Identity -> probabilities``: the Softmax is the head (taken off
+    for the loss, restored on export), the float output beside the int64 label is the one
+    trained; an Identity hid the Softmax and cross-entropy trained on probabilities."""
+    from etgraph.model import LoadedModel
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(skl_mlp(zipmap=False, tail=tail), str(path))
+    model = LoadedModel.load(path)
+    assert model.head == "Softmax(axis=1)"
+    assert model.task.output == "probabilities" and model.task.width == 3
+    assert [n.op_type for n in model.proto.graph.node][-1] == "Add"
+
+
+def test_zipmap_output_trains_its_tensor(tmp_path):
+    from etgraph.model import LoadedModel
+    from etgraph.onnx_io import original_outputs
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(skl_mlp(zipmap=True), str(path))
+    model = LoadedModel.load(path)
+    assert model.task.output == "out_activations_result" and model.head == "Softmax(axis=1)"
+    assert original_outputs(model.proto) == (["output_label", "output_probability"], str(path))
+    model = LoadedModel.load(path, output="output_probability")  # the ZipMap stands for it
+    assert model.task.output == "out_activations_result"
+
+
+def test_ml_op_refusal_names_the_op_and_converter(tmp_path):
+    from onnx import TensorProto, helper
+
+    from etgraph.errors import UnsupportedOpError
+    from etgraph.model import LoadedModel
+
+    node = helper.make_node(
+        "LinearClassifier", ["X"], ["label", "probabilities"], name="LinearClassifier",
+        domain="ai.onnx.ml", coefficients=[0.1] * 24, intercepts=[0.0] * 3,
+        classlabels_ints=[0, 1, 2], multi_class=1, post_transform="SOFTMAX",
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node], "logreg", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 3])],
+    )  # fmt: skip
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)]
+    )
+    model.ir_version, model.producer_name = 8, "skl2onnx"
+    onnx.save(model, str(tmp_path / "logreg.onnx"))
+    with pytest.raises(UnsupportedOpError) as refused:
+        LoadedModel.load(tmp_path / "logreg.onnx")
+    message = str(refused.value)
+    assert "ai.onnx.ml LinearClassifier 'LinearClassifier' (classical machine-learning" in message
+    assert message.endswith(
+        "use a neural-network estimator (MLPClassifier, MLPRegressor) in the scikit-learn model "
+        "and convert it again with skl2onnx"
+    )
+    assert "do_constant_folding" not in message and "torch" not in message
+
+
+@pytest.fixture(scope="module")
+def features_npz(tmp_path_factory):
+    """48 examples of 8 features, 3 classes, labels learnable from the features."""
+    rng = np.random.default_rng(0)
+    labels = np.arange(48) % 3
+    x = rng.normal(0, 1, (48, 8)).astype(np.float32) + labels[:, None].astype(np.float32)
+    path = tmp_path_factory.mktemp("npz") / "features.npz"
+    np.savez(path, X=x, labels=labels.astype(np.int64))
+    return path
+
+
+@pytest.mark.slow
+def test_hidden_probabilities_are_refused(tmp_path, cache_env, features_npz):
+    """A Softmax written out (Exp / ReduceSum / Div) is no head etgraph can take off; the
+    output checked on a batch is probabilities, and cross-entropy on it is refused."""
+    path = tmp_path / "mlp.onnx"
+    onnx.save(skl_mlp(zipmap=False, probabilities="manual"), str(path))
+    done = run_cli(
+        "compile", path, "--data", features_npz, "--rho", "1", "-o", tmp_path / "o", env=cache_env
+    )
+    assert_user_error(done, "output 'probabilities' holds probabilities, not logits", "Div <-")
+
+
+@pytest.mark.slow
+def test_zipmap_model_trains_and_exports_with_its_zipmap(tmp_path, cache_env, features_npz):
+    import onnxruntime as ort
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(skl_mlp(zipmap=True), str(path))
+    out = tmp_path / "run"
+    args = ["--data", features_npz, "--epochs", "2", "--period", "1", "--rho", "1"]
+    done = run_cli("train", path, *args, "--out", out, "--quiet", env=cache_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    session = ort.InferenceSession(str(out / "model_trained.onnx"))
+    names = [o.name for o in session.get_outputs()]
+    assert names[:2] == ["output_label", "output_probability"]
+    x = np.load(features_npz)["X"][:4]
+    label, maps, probabilities = session.run(None, {"X": x})
+    assert set(maps[0]) == {0, 1, 2} and np.allclose(probabilities.sum(axis=1), 1, atol=1e-5)
+    assert (label == probabilities.argmax(axis=1)).all()
