@@ -19,6 +19,7 @@ reloading the file.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +38,8 @@ from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
 from .exporters import remedy
 from .ops import FLOAT_TYPES, data_path_values, op_rule
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "LOSSES",
     "Batch",
@@ -46,6 +49,7 @@ __all__ = [
     "TensorInfo",
     "input_shapes",
     "input_specs",
+    "normalisation_note",
     "parse_input_shapes",
     "random_batch",
     "removed_head",
@@ -674,6 +678,33 @@ def random_batch(
     return Batch(inputs=feeds, labels=labels, label_name=task.label_name)
 
 
+#: A model with at least this many convolution kernels and no normalisation layer gets
+#: :func:`normalisation_note` (a CNN's batch norms folded at export).
+FOLDED_NORM_CONVS = 4
+
+
+def normalisation_note(model: onnx.ModelProto, tensors: Sequence[TensorInfo]) -> str | None:
+    """What to say about a CNN with no normalisation tensors at all (at least
+    :data:`FOLDED_NORM_CONVS` convolution kernels, no gamma or beta): exporters fold a
+    network's batch norms into its convolutions at export (torch's default dynamo exporter
+    does unless ``optimize=False``; ``dynamo=False`` in eval mode), leaving nothing of them to
+    train. None for any other model."""
+    convs = sum(1 for t in tensors if t.kind == "kernel" and t.op_type in ("Conv", "ConvTranspose"))
+    if convs < FOLDED_NORM_CONVS or any(t.kind in ("gamma", "beta") for t in tensors):
+        return None
+    how = remedy(
+        "keep them at export",
+        producer_name=model.producer_name,
+        torch="torch.onnx.export(..., optimize=False) with the default dynamo exporter; "
+        "training=torch.onnx.TrainingMode.TRAINING with dynamo=False",
+        needed="the model's batch norms, which the exporter folded",
+    )
+    return (
+        f"{convs} convolutions and no normalisation layer: if the network has batch norms, the "
+        f"exporter folded them into the convolutions and they cannot be trained; {how}"
+    )
+
+
 # ---- the loaded model ----
 
 
@@ -719,7 +750,11 @@ class LoadedModel:
         path = Path(path)
         if loss not in LOSSES:
             raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
-        return cls.from_proto(onnx_io.load_model(path, output=output), source=path, loss=loss)
+        loaded = cls.from_proto(onnx_io.load_model(path, output=output), source=path, loss=loss)
+        note = normalisation_note(loaded.proto, loaded.tensors)
+        if note is not None:
+            log.warning("%s: %s", path, note)
+        return loaded
 
     @classmethod
     def from_proto(

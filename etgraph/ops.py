@@ -193,6 +193,9 @@ OP_RULES: dict[str, OpRule] = {
     "HardSwish": OpRule(gradient="rewrite", fix="rewrite as x * clip(x + 3, 0, 6) / 6"),
     "HardSigmoid": OpRule(gradient="rewrite", fix="rewrite as clip(alpha*x + beta, 0, 1)"),
     "Sum": OpRule(gradient="rewrite", fix="replace it by a chain of Add"),
+    "CastLike": OpRule(
+        nondiff_slots=(1,), gradient="rewrite", fix="replace it by Cast to the type it takes"
+    ),
     "Elu": OpRule(gradient="rewrite", fix="rewrite as relu(x) + alpha * (exp(min(x, 0)) - 1)"),
     "Selu": OpRule(gradient="rewrite", fix="rewrite as gamma * elu(x; alpha)"),
     "Celu": OpRule(

@@ -724,6 +724,7 @@ def test_pipeline_order_can_be_printed():
         "RewriteAveragePoolPass",
         "RewriteLrnPass",
         "ExpandSumPass",
+        "CastLikePass",
         "RefuseNoGradOpsPass",
     ]
     assert all(": " in line and "\n" not in line for line in described)

@@ -400,3 +400,81 @@ def test_zipmap_model_trains_and_exports_with_its_zipmap(tmp_path, cache_env, fe
     label, maps, probabilities = session.run(None, {"X": x})
     assert set(maps[0]) == {0, 1, 2} and np.allclose(probabilities.sum(axis=1), 1, atol=1e-5)
     assert (label == probabilities.argmax(axis=1)).all()
+
+
+# ---- torch's default exporter (dynamo=True since torch 2.9) ---------------------------------
+
+
+class SmallResNet(torch.nn.Module):
+    """Conv-BN-ReLU stem, two residual blocks, global pool, linear head (3 classes)."""
+
+    def __init__(self):
+        super().__init__()
+
+        def conv_bn(c_in, c_out):
+            return [
+                torch.nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                torch.nn.BatchNorm2d(c_out),
+            ]
+
+        self.stem = torch.nn.Sequential(*conv_bn(3, 8), torch.nn.ReLU())
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*conv_bn(8, 8), torch.nn.ReLU(), *conv_bn(8, 8)) for _ in range(2)
+        )
+        self.head = torch.nn.Sequential(
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 3)
+        )
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.relu(x + block(x))
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def dynamo_exports(tmp_path_factory):
+    """The README's recipe and the tutorial's default: torch's default (dynamo) exporter at
+    batch 2, ``optimize=False`` (batch norms kept) and as is (folded)."""
+    root = tmp_path_factory.mktemp("dynamo")
+    torch.manual_seed(0)
+    net = SmallResNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    paths = {}
+    for name, options in (("kept", {"optimize": False}), ("folded", {})):
+        paths[name] = root / f"{name}.onnx"
+        torch.onnx.export(net, (x,), str(paths[name]), **options)
+    return paths
+
+
+@pytest.mark.slow
+def test_dynamo_default_export_is_noted_as_folded(dynamo_exports, caplog):
+    from etgraph.model import LoadedModel
+
+    with caplog.at_level("WARNING", logger="etgraph.model"):
+        model = LoadedModel.load(dynamo_exports["folded"])
+    assert not any(t.kind in ("gamma", "beta") for t in model.tensors)
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert "5 convolutions and no normalisation layer" in note
+    assert "optimize=False" in note
+
+
+@pytest.mark.slow
+def test_dynamo_export_with_optimize_false_keeps_batch_norms_and_trains(
+    tmp_path, dynamo_exports, cache_env, image_folder, caplog
+):
+    """``torch.onnx.export(model, (x,), path, optimize=False)``: every BatchNormalization
+    kept (a CastLike makes each conv's zero bias; the Flatten is a Reshape to [2, 8] with
+    allowzero=1, freed to any batch), trains at batch 4 and exports."""
+    from etgraph.model import LoadedModel
+
+    with caplog.at_level("WARNING", logger="etgraph.model"):
+        model = LoadedModel.load(dynamo_exports["kept"])
+    assert not caplog.records
+    kinds = [t.kind for t in model.tensors]
+    assert kinds.count("gamma") == kinds.count("beta") == 5 and kinds.count("kernel") == 6
+    out = tmp_path / "run"
+    args = ["--data", image_folder, "--epochs", "2", "--period", "1", "--batch-size", "4"]
+    done = run_cli("train", dynamo_exports["kept"], *args, "--out", out, "--quiet", env=cache_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "model_trained.onnx").is_file()

@@ -35,7 +35,8 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
     (ORT's AveragePoolGrad fails at a symbolic batch);
 17. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
 18. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-19. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+19. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
+20. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
 :func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
@@ -82,7 +83,7 @@ from .io_names import OUTPUTS_KEY, SOURCE_KEY, SelectOutputPass, unzip_map_outpu
 from .node_names import NameNodesPass
 from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
-from .rewrite_no_grad_ops import ExpandSumPass, RewriteActivationsPass
+from .rewrite_no_grad_ops import CastLikePass, ExpandSumPass, RewriteActivationsPass
 from .rewrite_windows import RewriteAveragePoolPass, RewriteLrnPass
 from .training_model import DropUnusedOptionalOutputsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
@@ -97,6 +98,7 @@ __all__ = [
     "FROZEN_BN_MODES",
     "AddOptionalOutputsPass",
     "BakeFrozenParamsPass",
+    "CastLikePass",
     "ConvertOpsetPass",
     "DropOutputNoOpsPass",
     "DropUnusedOptionalOutputsPass",
@@ -155,6 +157,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             RewriteAveragePoolPass(source),
             RewriteLrnPass(source),
             ExpandSumPass(source),
+            CastLikePass(source),
             RefuseNoGradOpsPass(source),
         ],
         steps=1,

@@ -163,7 +163,7 @@ class DropOutputNoOpsPass(InPlacePass):
                 last.inputs[0].dtype is None or last.inputs[0].shape is None
             ):
                 with contextlib.suppress(Exception):  # exporters that record no value types
-                    ShapeInferencePass()(model)
+                    ShapeInferencePass(data_prop=False)(model)  # as batch_norm.py
         while (node := _output_no_op(graph)) is not None:
             output, source = graph.outputs[0], node.inputs[0]
             name = output.name
