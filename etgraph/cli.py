@@ -635,7 +635,7 @@ def train_command(
     """Train MODEL (an ONNX file or an `etgraph compile` directory; default: the embedded model
     and digits data) with elastic tensor selection, re-selecting every --period epochs."""
     from .loop import TrainConfig, load_run_data, resume, train
-    from .plan import read_plan, train_settings
+    from .plan import read_plan, train_data, train_settings
     from .rundir import format_summary
 
     if resume_dir is not None:
@@ -656,6 +656,7 @@ def train_command(
     if out is None:
         raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
     plan = read_plan(model) if model is not None and Path(model).is_dir() else None
+    data, tokenizer = train_data(plan, data, tokenizer)  # the compiled data unless given
     rho = rho if rho is not None else (plan or {}).get("rho", 0.5)
     batch_size = batch_size if batch_size is not None else (plan or {}).get("batch_size", 4)
     preprocess, frozen_bn = train_settings(

@@ -36,7 +36,7 @@ from .files import atomic_target, ensure_writable_dir, write_json_atomic
 from .importance import probe_importance
 from .memory import MemoryProfile
 from .model import LoadedModel, TensorInfo, exported_batch_hint
-from .plan import PLAN_FILE
+from .plan import PLAN_FILE, data_record
 from .rundir import check_not_run_dir
 from .text import check_text_options
 
@@ -294,6 +294,7 @@ def compile_model(
         "memory_parts_mb": memory_parts,  # etgraph.memory.MemoryProfile.parts_mb
         "memory_resolution_mb": memory_resolution_mb if memory_mb is not None else None,
         "importance_source": importance_source,
+        **data_record(data, tokenizer),  # etgraph train OUT trains on it (etgraph.plan)
         "removed_head": model.head,  # restored on the trained model etgraph train exports
         "resolution": resolution,
         "preprocess": preprocess.to_json(),  # reused by etgraph train OUT (etgraph.plan)

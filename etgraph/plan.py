@@ -1,8 +1,9 @@
 """The settings a compiled directory's ``plan.json`` hands on to ``etgraph train`` (issue #14).
 
-``etgraph compile`` records the model's input normalisation (``preprocess``,
-:class:`etgraph.data.Preprocess`) and the frozen batch-norm mode (``frozen_bn``,
-:mod:`etgraph.artifacts`) in ``plan.json``; ``etgraph train DIR`` reuses them.
+``etgraph compile`` records the data it probed (``data``, ``tokenizer``), the model's input
+normalisation (``preprocess``, :class:`etgraph.data.Preprocess`) and the frozen batch-norm mode
+(``frozen_bn``, :mod:`etgraph.artifacts`) in ``plan.json``; ``etgraph train DIR`` reuses them
+(:func:`train_data`, :func:`train_settings`).
 :func:`train_settings` merges them with the command line's options: **an option given on the
 command line wins** (the user asked for it), and where it differs from the plan a warning says
 so, naming both; the run's ``run.json`` records what was used. A plan written before these
@@ -25,7 +26,7 @@ from .files import read_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PLAN_FILE", "read_plan", "train_settings"]
+__all__ = ["PLAN_FILE", "data_record", "read_plan", "train_data", "train_settings"]
 
 PLAN_FILE = "plan.json"
 
@@ -41,6 +42,29 @@ def read_plan(directory: str | os.PathLike) -> dict | None:
         return None
     again = "compile the model again with etgraph compile"
     return read_json(path, what="", if_missing=again, if_unreadable=again)
+
+
+def data_record(data: str | None, tokenizer: str | None) -> dict:
+    """``{"data", "tokenizer"}`` for ``plan.json``: paths made absolute (a compiled directory
+    is used from anywhere), a dataset name (``digits``) and None kept as they are."""
+
+    def absolute(spec: str | None) -> str | None:
+        return str(Path(spec).resolve()) if spec is not None and Path(spec).exists() else spec
+
+    return {"data": absolute(data), "tokenizer": absolute(tokenizer)}
+
+
+def train_data(
+    plan: dict | None, data: str | None, tokenizer: str | None
+) -> tuple[str | None, str | None]:
+    """``(data, tokenizer)`` for ``etgraph train DIR``: the ones given, else the data the plan
+    was compiled with (its tokenizer too, unless one is given). None: neither (the run's
+    default dataset)."""
+    recorded = (plan or {}).get("data")
+    if data is not None or recorded is None:
+        return data, tokenizer
+    log.info("training on the compiled plan's data %s", recorded)
+    return recorded, tokenizer if tokenizer is not None else plan.get("tokenizer")
 
 
 def train_settings(

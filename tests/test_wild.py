@@ -478,3 +478,27 @@ def test_dynamo_export_with_optimize_false_keeps_batch_norms_and_trains(
     done = run_cli("train", dynamo_exports["kept"], *args, "--out", out, "--quiet", env=cache_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "model_trained.onnx").is_file()
+
+
+# ---- compile --data, then train DIR ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_train_dir_uses_the_compiled_data(tmp_path, tiny_cnn_onnx, image_folder, cache_env):
+    """``etgraph compile model.onnx --data DIR -o RUN`` then the printed ``etgraph train RUN``:
+    the run trains on DIR (plan.json records it), not on the default digits."""
+    import json
+
+    run = tmp_path / "run"
+    done = run_cli("compile", tiny_cnn_onnx, "--data", image_folder, "-o", run, env=cache_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"next: etgraph train {run}" in done.stdout
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["data"] == str(image_folder.resolve()) and plan["tokenizer"] is None
+    out = tmp_path / "train"
+    done = run_cli("train", run, "--epochs", "1", "--out", out, "--quiet", env=cache_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert config["data"] == str(image_folder.resolve())
+    classes = json.loads((out / "classes.json").read_text())["class_names"]
+    assert classes == ["class_0", "class_1", "class_2"]
