@@ -30,7 +30,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from . import artifacts, dumps, graph, memory_profiler, profile, profiler, selection, timing
 from .artifacts import ArtifactCache, check_frozen_bn
-from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess
+from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess, load_task_data
 from .errors import ConfigError
 from .files import atomic_target, ensure_writable_dir, write_json_atomic
 from .importance import probe_importance
@@ -179,6 +179,16 @@ def compile_model(
 
     model = LoadedModel.load(source, output=output, loss=loss)
     shapes = model.input_shapes(input_shape)
+    dataset = None
+    if data is not None:  # every data/model mismatch is an error before anything is measured
+        dataset = load_task_data(
+            data,
+            inputs=model.inputs,
+            shapes=shapes,
+            task=model.task,
+            tokenizer=tokenizer,
+            preprocess=preprocess,
+        )
     (out / PLAN_FILE).unlink(missing_ok=True)  # written last: a directory without it is not done
     (out / MEMORY_FILE).unlink(missing_ok=True)  # an earlier compile's, with --memory-mb
     with atomic_target(out / MODEL_FILE) as tmp:
@@ -236,6 +246,7 @@ def compile_model(
             input_shapes=shapes,
             tokenizer=tokenizer,
             preprocess=preprocess,
+            dataset=dataset,
         )
         importance_source = f"first-order importance on a probe batch of {data}"
 

@@ -502,3 +502,66 @@ def test_train_dir_uses_the_compiled_data(tmp_path, tiny_cnn_onnx, image_folder,
     assert config["data"] == str(image_folder.resolve())
     classes = json.loads((out / "classes.json").read_text())["class_names"]
     assert classes == ["class_0", "class_1", "class_2"]
+
+
+# ---- channels-last image models (Keras through tf2onnx) -----------------------------------
+
+
+class ChannelsLast(torch.nn.Module):
+    """A Keras-style classifier: input ``[B, 32, 32, 3]``, transposed to channels first for
+    the convolutions as tf2onnx writes it, 3 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 3),
+        )  # fmt: skip
+
+    def forward(self, x):
+        return self.body(x.permute(0, 3, 1, 2))
+
+
+def test_image_layout():
+    from etgraph.data import image_layout
+
+    assert image_layout((96, 96, 3)) == "NHWC" and image_layout((28, 28, 1)) == "NHWC"
+    assert image_layout((3, 96, 96)) == "NCHW" and image_layout((3, 3, 3)) == "NCHW"
+
+
+@pytest.mark.slow
+def test_channels_last_model_trains_on_an_image_folder(tmp_path, cache_env, image_folder):
+    from etgraph.data import load_task_data
+    from etgraph.model import LoadedModel
+
+    path = tmp_path / "nhwc.onnx"
+    torch.onnx.export(
+        ChannelsLast().train(), torch.zeros(1, 32, 32, 3), str(path), dynamo=False,
+        training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+        input_names=["input"], output_names=["logits"], opset_version=17,
+    )  # fmt: skip
+    model = LoadedModel.load(path)
+    data = load_task_data(
+        str(image_folder), inputs=model.inputs, shapes=model.input_shapes(), task=model.task
+    )
+    x, y = data.probe_batch(4, seed=0)
+    assert x.shape == (4, 32, 32, 3) and y.shape == (4,)
+    out = tmp_path / "run"
+    args = ["--data", image_folder, "--epochs", "1", "--rho", "1"]
+    done = run_cli("train", path, *args, "--out", out, "--quiet", env=cache_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_data_mismatch_is_an_error_before_profiling(tmp_path, tiny_cnn_onnx):
+    """compile --data whose classes the model cannot output: the error comes before anything
+    is measured (no profile written to the cache)."""
+    from etgraph.errors import DataError
+    from etgraph.pipeline import compile_model
+
+    folder = tmp_path / "images"
+    for c in range(11):  # tiny_cnn outputs 10 classes
+        (folder / f"c{c}").mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(folder / f"c{c}" / "0.png")
+    with pytest.raises(DataError, match="has 11 classes but the model outputs 10"):
+        compile_model(tiny_cnn_onnx, tmp_path / "out", data=str(folder), cache_dir=tmp_path / "c")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
