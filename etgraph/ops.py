@@ -159,8 +159,9 @@ OP_RULES: dict[str, OpRule] = {
     "ReduceSum": _REDUCE,
     "ReduceMax": OpRule(
         nondiff_slots=(1,),
-        gradient=False,
-        fix="replace it by MaxPool, or avoid it on the trained path",
+        gradient="rewrite",
+        fix="reduce over the spatial axes of a static-shape value (etgraph then rewrites it as "
+        "MaxPool over the whole window), or avoid it on the trained path",
     ),
     "ReduceMin": _REDUCE,
     "ReduceProd": _REDUCE,
@@ -204,7 +205,9 @@ OP_RULES: dict[str, OpRule] = {
     "PRelu": OpRule(gradient="rewrite", fix="rewrite as relu(x) + slope * min(x, 0)"),
     # no gradient builder in ORT 1.19.2, refused on the data path
     "GlobalMaxPool": OpRule(
-        gradient=False, fix="replace it by MaxPool with kernel_shape = the spatial size"
+        gradient="rewrite",
+        fix="give it static spatial dims (etgraph then rewrites it as MaxPool over the whole "
+        "window: pass --input-shape, or export at a fixed input size)",
     ),
     "Softplus": OpRule(gradient=False, fix="rewrite as log(1 + exp(x))"),
     "Atan": OpRule(gradient=False, fix="remove it from the trained path"),
@@ -214,14 +217,16 @@ OP_RULES: dict[str, OpRule] = {
     # a gradient builder, but its kernel is CUDA-only in 1.19.2 (no CPU ResizeGrad)
     "Resize": OpRule(
         nondiff_slots=(1, 2, 3),
-        gradient=False,
-        fix="upsample by an integer factor with Unsqueeze + Expand + Reshape (nearest)",
+        gradient="rewrite",
+        fix="upsample by integer factors in nearest mode (etgraph then rewrites it exactly as "
+        "Reshape + Expand + Reshape)",
         why=_NO_CPU_KERNEL,
     ),
     "Upsample": OpRule(
         nondiff_slots=(1,),
-        gradient=False,
-        fix="upsample by an integer factor with Unsqueeze + Expand + Reshape (nearest)",
+        gradient="rewrite",
+        fix="upsample by integer factors in nearest mode (etgraph then rewrites it exactly as "
+        "Reshape + Expand + Reshape)",
         why=_NO_CPU_KERNEL,
     ),
     # recurrent layers: LSTMGrad/GRUGrad crash the process (SIGSEGV) unless both W and R get a

@@ -143,18 +143,19 @@ def test_unsupported_op_names_node_and_suggests(tmp_path):
         load_model(save_model(model, tmp_path))
 
 
-def test_global_max_pool_refused(tmp_path):
+def test_global_max_pool_of_unknown_spatial_size_refused(tmp_path):
+    """Rewritten as MaxPool over the whole window when the spatial dims are static
+    (tests/test_rewrite_windows.py); at symbolic ones it stays and is refused."""
     nodes = [
         helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
         helper.make_node("GlobalMaxPool", ["c"], ["p"], name="gmp"),
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
-    with pytest.raises(UnsupportedOpError, match="'gmp'.*GlobalMaxPool"):
-        load_model(
-            save_model(
-                make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)]), tmp_path
-            )
-        )
+    model = make_model(
+        nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)], in_shape=("N", 3, "H", "W")
+    )
+    with pytest.raises(UnsupportedOpError, match="'gmp'.*GlobalMaxPool.*static spatial dims"):
+        load_model(save_model(model, tmp_path))
 
 
 @pytest.mark.parametrize("op", ["HardSwish", "HardSigmoid"])
@@ -723,6 +724,8 @@ def test_pipeline_order_can_be_printed():
         "RewriteActivationsPass",
         "RewriteAveragePoolPass",
         "RewriteLrnPass",
+        "RewriteGlobalMaxPass",
+        "RewriteNearestResizePass",
         "ExpandSumPass",
         "CastLikePass",
         "RefuseNoGradOpsPass",

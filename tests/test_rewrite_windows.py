@@ -21,7 +21,13 @@ from etgraph.model import LoadedModel
 from etgraph.onnx_io import load_model
 from etgraph.sessions import GradientSession
 from passes.base import run_passes
-from passes.onnx import RewriteAveragePoolPass, RewriteLrnPass, legalization_pipeline
+from passes.onnx import (
+    RewriteAveragePoolPass,
+    RewriteGlobalMaxPass,
+    RewriteLrnPass,
+    RewriteNearestResizePass,
+    legalization_pipeline,
+)
 
 
 def window_model(op: str, image_size: int = 8, channels: int = 6, **attrs) -> onnx.ModelProto:
@@ -188,6 +194,153 @@ def test_gradients_through_rewritten_windows_match_torch_at_a_symbolic_batch(tmp
     net = _Net(lrn=True).eval()
     loss = torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y))
     loss.backward()
+    params = dict(net.named_parameters())
+    assert len(model.names) == len(params) == 6
+    for name, (torch_name, param) in zip(model.names, params.items(), strict=True):
+        np.testing.assert_allclose(
+            session.gradient(name), param.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=torch_name
+        )
+
+
+# ---- GlobalMaxPool / spatial ReduceMax -> MaxPool; nearest Resize -> Expand (issue 27) -----
+
+
+def _reduce_max_model(axes, keepdims, channels_last=False) -> onnx.ModelProto:
+    """x -> Conv -> [Transpose to NHWC] -> ReduceMax(axes, keepdims) [-> Flatten] -> Gemm."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1])]
+    value = "c"
+    if channels_last:
+        nodes.append(helper.make_node("Transpose", ["c"], ["t"], name="nhwc", perm=[0, 2, 3, 1]))
+        value = "t"
+    nodes.append(helper.make_node("ReduceMax", [value], ["o"], name="win", axes=axes,
+                                  keepdims=keepdims))  # fmt: skip
+    flat = "o"
+    if keepdims:
+        nodes.append(helper.make_node("Flatten", ["o"], ["f"], name="flat"))
+        flat = "f"
+    nodes.append(helper.make_node("Gemm", [flat, "fw", "fb"], ["y"], name="fc", transB=1))
+    inits = [
+        random_initializer("w", (6, 3, 3, 3), scale=1.0),
+        random_initializer("b", (6,), scale=1.0),
+        random_initializer("fw", (4, 6), scale=1.0),
+        random_initializer("fb", (4,), scale=1.0),
+    ]
+    model = make_model(nodes, inits, in_shape=(1, 3, 8, 8))
+    model.opset_import[0].version = 17  # ReduceMax takes axes as an attribute until opset 18
+    return model
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        window_model("GlobalMaxPool"),
+        _reduce_max_model([2, 3], 1),
+        _reduce_max_model([-2, -1], 0),
+        _reduce_max_model([1, 2], 1, channels_last=True),
+        _reduce_max_model([1, 2], 0, channels_last=True),
+    ],
+    ids=["global", "reduce_keep", "reduce_flat", "reduce_nhwc_keep", "reduce_nhwc_flat"],
+)
+def test_spatial_max_becomes_max_pool_and_computes_the_same(model):
+    out, modified = rewrite(RewriteGlobalMaxPass(), model)
+    ops = {n.op_type for n in out.graph.node}
+    assert modified and "MaxPool" in ops and not ops & {"GlobalMaxPool", "ReduceMax"}
+    onnx.checker.check_model(out)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(window_output(out, x), window_output(model, x))
+
+
+def test_channel_max_is_not_rewritten():
+    model = _reduce_max_model([1], 1)
+    assert rewrite(RewriteGlobalMaxPass(), model)[1] is False
+
+
+def _resize_model(scales, **attrs) -> onnx.ModelProto:
+    """x -> Conv -> Resize(scales, nearest) -> GlobalAveragePool -> Flatten -> Gemm."""
+    model = window_model("Identity")
+    node = next(n for n in model.graph.node if n.name == "win")
+    node.op_type = "Resize"
+    node.input[:] = ["c", "", "scales"]
+    node.attribute.extend(
+        helper.make_attribute(k, v) for k, v in {"mode": "nearest", **attrs}.items()
+    )
+    model.graph.initializer.append(
+        onnx.numpy_helper.from_array(np.array(scales, np.float32), "scales")
+    )
+    return model
+
+
+RESIZES = [
+    ([1, 1, 2, 2], {}),  # half_pixel, round_prefer_floor: ONNX's defaults
+    ([1, 1, 2, 2], {"coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}),
+    ([1, 1, 3, 2], {"coordinate_transformation_mode": "pytorch_half_pixel"}),
+]
+
+
+@pytest.mark.parametrize(("scales", "attrs"), RESIZES)
+def test_nearest_resize_by_integer_scales_becomes_expand(scales, attrs):
+    model = _resize_model(scales, **attrs)
+    out, modified = rewrite(RewriteNearestResizePass(), model)
+    ops = {n.op_type for n in out.graph.node}
+    assert modified and "Resize" not in ops and "Expand" in ops
+    onnx.checker.check_model(out)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(window_output(out, x), window_output(model, x))
+
+
+@pytest.mark.parametrize(
+    ("scales", "attrs"),
+    [
+        ([1, 1, 2, 2], {"coordinate_transformation_mode": "asymmetric"}),  # rounds, not floor
+        ([1, 1, 1.5, 1.5], {}),
+        ([1, 1, 2, 2], {"mode": "linear"}),
+    ],
+)
+def test_other_resizes_are_left_alone(scales, attrs):
+    assert rewrite(RewriteNearestResizePass(), _resize_model(scales, **attrs))[1] is False
+
+
+class _MaxUpNet(torch.nn.Module):
+    """Conv -> ReLU -> nearest Upsample x2 -> Conv -> max over the spatial axes -> Linear (a
+    decoder's upsampling and a global max pool, exported as Resize and ReduceMax)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.up = torch.nn.Upsample(scale_factor=2, mode="nearest")
+        self.conv2 = torch.nn.Conv2d(8, 6, 3, padding=1)
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.conv2(self.up(torch.relu(self.conv1(x))))
+        return self.fc(x.amax(dim=(2, 3)))
+
+
+def test_gradients_through_max_pool_and_upsample_rewrites_match_torch(tmp_path):
+    path = tmp_path / "net.onnx"
+    torch.onnx.export(
+        _MaxUpNet().eval(), torch.zeros(1, 3, 8, 8), str(path), input_names=["input"],
+        output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+        opset_version=17, dynamo=False,
+    )  # fmt: skip
+    exported = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"Resize", "ReduceMax"} <= exported
+    model = LoadedModel.load(path)
+    ops = {n.op_type for n in model.proto.graph.node}
+    assert not ops & {"Resize", "ReduceMax"}
+    trainable, frozen = model.split(np.ones(len(model.names), dtype=bool))
+    paths, _ = ArtifactCache(tmp_path / "artifacts", static_batch=(4, model.input_shapes())).get(
+        model.proto, trainable, frozen, weight_decay=0.0
+    )
+    session = GradientSession(paths.directory, threads=1, input_names=model.input_names)
+    session.set_parameters(model.initial_weights(), model.names)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    y = np.array([0, 1, 2, 1], dtype=np.int64)
+    session.accumulate([(x, y)])
+    net = _MaxUpNet().eval()
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
     params = dict(net.named_parameters())
     assert len(model.names) == len(params) == 6
     for name, (torch_name, param) in zip(model.names, params.items(), strict=True):

@@ -34,9 +34,13 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 16. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
     (ORT's AveragePoolGrad fails at a symbolic batch);
 17. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
-18. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-19. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
-20. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+18. :class:`RewriteGlobalMaxPass` — GlobalMaxPool, spatial ReduceMax -> MaxPool over the whole
+    spatial window;
+19. :class:`RewriteNearestResizePass` — nearest Resize/Upsample by integer scales -> Reshape,
+    Expand, Reshape;
+20. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+21. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
+22. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
 :func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
@@ -84,7 +88,12 @@ from .node_names import NameNodesPass
 from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
 from .rewrite_no_grad_ops import CastLikePass, ExpandSumPass, RewriteActivationsPass
-from .rewrite_windows import RewriteAveragePoolPass, RewriteLrnPass
+from .rewrite_windows import (
+    RewriteAveragePoolPass,
+    RewriteGlobalMaxPass,
+    RewriteLrnPass,
+    RewriteNearestResizePass,
+)
 from .training_model import DropUnusedOptionalOutputsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
 from .weights import MaterializeWeightsPass, UntieSharedWeightsPass
@@ -115,8 +124,10 @@ __all__ = [
     "RemoveSoftmaxHeadPass",
     "RestoreHeadPass",
     "RewriteAveragePoolPass",
+    "RewriteGlobalMaxPass",
     "RewriteActivationsPass",
     "RewriteLrnPass",
+    "RewriteNearestResizePass",
     "SelectOutputPass",
     "TrainableBatchNormPass",
     "TrimEvalBatchNormPass",
@@ -156,6 +167,8 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             RewriteActivationsPass(source),
             RewriteAveragePoolPass(source),
             RewriteLrnPass(source),
+            RewriteGlobalMaxPass(source),
+            RewriteNearestResizePass(source),
             ExpandSumPass(source),
             CastLikePass(source),
             RefuseNoGradOpsPass(source),

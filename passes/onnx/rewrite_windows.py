@@ -14,6 +14,18 @@
   computed as a ``Conv`` over the channel axis of ``Unsqueeze(x^2, 1)`` with a ones kernel
   ``[1, 1, size, 1, ...]``.
 
+* **GlobalMaxPool** and a **ReduceMax over the spatial axes** (no gradient builder in ORT
+  1.19.2; Keras' GlobalMaxPooling2D through tf2onnx): a ``MaxPool`` whose window is the whole
+  spatial extent (``kernel_shape`` = the spatial dims, static at the model's input shape) has a
+  gradient and computes the same maximum; a ReduceMax over the axes ``[1, ..., r-2]`` of a
+  channels-last value is transposed to channels first around it; ``keepdims=0`` flattens.
+* **Resize / Upsample** in ``nearest`` mode by integer scales (ORT 1.19.2 has no CPU
+  ``ResizeGrad``; Keras' UpSampling2D, torch's ``nn.Upsample``): each element repeated ``s``
+  times per axis, as ``Reshape`` to ``[..., d, 1, ...]``, ``Expand`` by ``s`` and ``Reshape`` to
+  ``[..., d * s, ...]`` — exact where nearest picks ``floor(i / s)``: coordinate transformation
+  ``half_pixel``/``pytorch_half_pixel`` (any rounding), ``asymmetric`` or
+  ``tf_half_pixel_for_nn`` with ``nearest_mode=floor``.
+
 Kernels are ``Expand`` of scalar ``Constant`` nodes (ORT folds them at session creation), never
 initializers, so they do not become trainable tensors (nor are lifted by
 :class:`passes.onnx.weights.MaterializeWeightsPass` on a second run). New nodes and values are
@@ -23,6 +35,7 @@ ORT's own kernels).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -34,7 +47,12 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from etgraph.errors import UnsupportedOpError
 
-__all__ = ["RewriteAveragePoolPass", "RewriteLrnPass"]
+__all__ = [
+    "RewriteAveragePoolPass",
+    "RewriteGlobalMaxPass",
+    "RewriteLrnPass",
+    "RewriteNearestResizePass",
+]
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +287,171 @@ class RewriteLrnPass(InPlacePass):
         left = _remaining(model, "LRN")
         if left:
             raise PostconditionError(f"nodes not rewritten: {left[:5]}")
+
+
+def _spatial_max(node: ir.Node) -> tuple[list[int], bool, int] | None:
+    """For a GlobalMaxPool, or a ReduceMax over all spatial axes of its input (channels first
+    ``[2, ..., r-1]`` or channels last ``[1, ..., r-2]``), ``(spatial dims, channels_last,
+    keepdims)`` when the spatial dims are static; else None."""
+    x = node.inputs[0] if node.inputs else None
+    if x is None or x.shape is None or len(x.shape) < 3:
+        return None
+    rank = len(x.shape)
+    if node.op_type == "GlobalMaxPool":
+        axes, keepdims = list(range(2, rank)), 1
+    else:
+        keepdims = _int(node, "keepdims", 1)
+        if len(node.inputs) > 1 and node.inputs[1] is not None:  # opset 18: axes as an input
+            const = node.inputs[1].const_value
+            producer = node.inputs[1].producer()
+            if const is None and producer is not None and producer.op_type == "Constant":
+                const = producer.attributes["value"].as_tensor()
+            if const is None:
+                return None
+            axes = [int(a) for a in const.numpy().reshape(-1)]
+        else:
+            axes = _ints(node, "axes", []) or []
+        axes = sorted(a % rank for a in axes)
+    if axes == list(range(2, rank)):
+        spatial, channels_last = list(x.shape[2:]), False
+    elif axes == list(range(1, rank - 1)):
+        spatial, channels_last = list(x.shape[1 : rank - 1]), True
+    else:
+        return None
+    if not all(isinstance(d, int) for d in spatial):
+        return None
+    return spatial, channels_last, keepdims
+
+
+class RewriteGlobalMaxPass(InPlacePass):
+    """Rewrite GlobalMaxPool and a spatial ReduceMax into a MaxPool over the whole spatial
+    window (module docstring); nodes whose spatial dims are not static stay (and are refused
+    by :class:`passes.onnx.RefuseNoGradOpsPass` where a gradient must pass)."""
+
+    def __init__(self, source: str = "model"):
+        super().__init__()
+        self.source = source
+
+    def call(self, model: ir.Model) -> PassResult:
+        nodes = [
+            n
+            for n in model.graph
+            if n.domain in ("", "ai.onnx") and n.op_type in ("GlobalMaxPool", "ReduceMax")
+        ]
+        if not nodes:
+            return PassResult(model, modified=False)
+        if any(_spatial_max(n) is None for n in nodes):
+            with contextlib.suppress(Exception):  # shapes as far as they can be inferred
+                ShapeInferencePass(data_prop=False)(model)
+        count = 0
+        for node in nodes:
+            found = _spatial_max(node)
+            if found is None:
+                continue
+            self._rewrite(model.graph, node, *found)
+            count += 1
+            log.info("%s: rewrote %s node %r into MaxPool", self.source, node.op_type, node.name)
+        return PassResult(model, modified=count > 0)
+
+    def _rewrite(
+        self, graph: ir.Graph, node: ir.Node, spatial: list[int], channels_last: bool, keep: int
+    ) -> None:
+        rank = len(spatial) + 2
+        b = _Builder(node.name, _float_dtype(node.inputs[0]))
+        x = node.inputs[0]
+        if channels_last:
+            x = b.node("Transpose", [x], "channels_first", perm=[0, rank - 1, *range(1, rank - 1)])
+        pooled = b.node("MaxPool", [x], "max", kernel_shape=spatial)
+        if not keep:
+            b.node("Flatten", [pooled], "flat", axis=1)
+        elif channels_last:
+            b.node("Transpose", [pooled], "channels_last", perm=[0, *range(2, rank), 1])
+        replace_nodes_and_values(
+            graph, node, [node], b.nodes, node.outputs[:1], b.nodes[-1].outputs
+        )
+
+
+def _resize_factors(node: ir.Node) -> list[int] | None:
+    """The integer scale per axis of a nearest Resize/Upsample that repeats elements exactly
+    (module docstring), from its constant ``scales`` (or ``sizes`` over a static input);
+    None when it is not one."""
+    if _string(node, "mode", "nearest") != "nearest":
+        return None
+    transform = _string(node, "coordinate_transformation_mode", "half_pixel")
+    floor = _string(node, "nearest_mode", "round_prefer_floor") == "floor"
+    if node.op_type == "Resize" and not (
+        transform in ("half_pixel", "pytorch_half_pixel")
+        or (transform in ("asymmetric", "tf_half_pixel_for_nn") and floor)
+    ):
+        return None
+    x = node.inputs[0]
+    slots = (1,) if node.op_type == "Upsample" else (2, 3)
+    for slot in slots:
+        value = node.inputs[slot] if len(node.inputs) > slot else None
+        if value is None:
+            continue
+        const = value.const_value
+        producer = value.producer()
+        if const is None and producer is not None and producer.op_type == "Constant":
+            const = producer.attributes["value"].as_tensor()
+        if const is None or const.numpy().size == 0:
+            continue
+        numbers = const.numpy().reshape(-1)
+        if slot == 3:  # sizes: over the input's static dims
+            if x.shape is None or not all(isinstance(d, int) and d > 0 for d in x.shape):
+                return None
+            dims = list(x.shape)
+            if len(numbers) != len(dims) or any(n % d for n, d in zip(numbers, dims, strict=True)):
+                return None
+            numbers = [n // d for n, d in zip(numbers, dims, strict=True)]
+        factors = [int(round(float(f))) for f in numbers]
+        if any(f < 1 or abs(f - float(n)) > 1e-6 for f, n in zip(factors, numbers, strict=True)):
+            return None
+        return factors
+    return None
+
+
+class RewriteNearestResizePass(InPlacePass):
+    """Rewrite a nearest Resize/Upsample by integer scales into Reshape, Expand and Reshape
+    (module docstring); others stay (refused where a gradient must pass)."""
+
+    def __init__(self, source: str = "model"):
+        super().__init__()
+        self.source = source
+
+    def call(self, model: ir.Model) -> PassResult:
+        count = 0
+        for node in list(model.graph):
+            if node.domain not in ("", "ai.onnx") or node.op_type not in ("Resize", "Upsample"):
+                continue
+            factors = _resize_factors(node)
+            if factors is None and node.inputs[0].shape is None:
+                with contextlib.suppress(Exception):
+                    ShapeInferencePass(data_prop=False)(model)
+                factors = _resize_factors(node)
+            if factors is None:
+                continue
+            self._rewrite(model.graph, node, factors)
+            count += 1
+            log.info("%s: rewrote %s node %r into Expand", self.source, node.op_type, node.name)
+        return PassResult(model, modified=count > 0)
+
+    def _rewrite(self, graph: ir.Graph, node: ir.Node, factors: list[int]) -> None:
+        rank = len(factors)
+        x = node.inputs[0]
+        b = _Builder(node.name, _float_dtype(x))
+        # [d0, d1, ...] -> [d0, 1, d1, 1, ...] -> [d0, f0, d1, f1, ...] -> [d0 * f0, d1 * f1, ...]
+        shape = b.node("Shape", [x], "shape")
+        dims = b.node("Unsqueeze", [shape, b.constant("axis", np.array([1], np.int64))], "dims")
+        ones = b.constant("ones", np.ones((rank, 1), np.int64))
+        pairs = b.node("Concat", [dims, ones], "pairs", axis=1)
+        flat = b.constant("flat", np.array([-1], np.int64))
+        lifted = b.node("Reshape", [x, b.node("Reshape", [pairs, flat], "lifted_shape")], "lifted")
+        times = np.ones(2 * rank, np.int64)
+        times[1::2] = factors
+        grown = b.node("Expand", [lifted, b.constant("times", times)], "repeated")
+        size = b.node("Mul", [shape, b.constant("factors", np.array(factors, np.int64))], "size")
+        b.node("Reshape", [grown, size], "upsampled")
+        replace_nodes_and_values(
+            graph, node, [node], b.nodes, node.outputs[:1], b.nodes[-1].outputs
+        )
