@@ -83,10 +83,38 @@ def test_average_pool_rewrite_computes_the_same(attrs):
     assert rewrite(RewriteAveragePoolPass(), out)[1] is False
 
 
-def test_average_pool_with_ceil_mode_is_refused_in_one_line():
+CEIL_POOLS = [  # (image size, attributes): ceil_mode=1 where it changes nothing, and where
+    # the last window runs past the end (ORT divides it by the elements it covers)
+    (8, {"kernel_shape": [2, 2], "strides": [2, 2]}),  # 8 -> 4 either way (timm's "d" ResNets)
+    (8, {"kernel_shape": [3, 3], "strides": [2, 2]}),  # 3 vs 4
+    (7, {"kernel_shape": [2, 2], "strides": [2, 2]}),  # 3 vs 4
+    (8, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    (8, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    (9, {"kernel_shape": [3, 2], "strides": [2, 3], "pads": [0, 1, 1, 0], "count_include_pad": 1}),
+]
+
+
+@pytest.mark.parametrize(("size", "attrs"), CEIL_POOLS)
+def test_average_pool_with_ceil_mode_computes_the_same(size, attrs):
+    model = window_model("AveragePool", image_size=size, ceil_mode=1, **attrs)
+    out, modified = rewrite(RewriteAveragePoolPass(), model)
+    assert modified and "AveragePool" not in {n.op_type for n in out.graph.node}
+    onnx.checker.check_model(out)
+    x = np.random.default_rng(0).standard_normal((1, 3, size, size)).astype(np.float32)
+    want = window_output(model, x)
+    np.testing.assert_allclose(window_output(out, x), want, rtol=1e-5, atol=1e-6)
+    floor = window_output(window_model("AveragePool", image_size=size, **attrs), x)
+    padded = floor.shape != want.shape or bool(attrs.get("pads"))
+    divides = any(n.op_type == "Div" for n in out.graph.node)
+    assert divides == (padded and not attrs.get("count_include_pad"))
+
+
+def test_average_pool_with_ceil_mode_at_an_unknown_size_is_refused_in_one_line():
     model = window_model("AveragePool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
     with pytest.raises(
-        UnsupportedOpError, match=r"^m.onnx: node 'win' \(AveragePool\) uses ceil_mode=1.*re-export"
+        UnsupportedOpError,
+        match=r"^m.onnx: node 'win' \(AveragePool\) uses ceil_mode=1 on an input",
     ):
         RewriteAveragePoolPass("m.onnx")(ir.from_proto(model))
 
@@ -347,3 +375,28 @@ def test_gradients_through_max_pool_and_upsample_rewrites_match_torch(tmp_path):
         np.testing.assert_allclose(
             session.gradient(name), param.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=torch_name
         )
+
+
+@pytest.mark.parametrize("size", [8, 7])
+def test_timm_avg_down_with_ceil_mode_loads_and_computes_torchs_output(tmp_path, size):
+    """timm's "d" ResNets downsample with ``AvgPool2d(2, 2, ceil_mode=True,
+    count_include_pad=False)``: at an even size it is floor mode; at an odd one the last
+    window covers one row, divided by its real count as torch does."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * ((size + 1) // 2) ** 2, 3),
+    ).eval()
+    path = tmp_path / "avg_down.onnx"
+    torch.onnx.export(net, torch.zeros(1, 3, size, size), str(path), dynamo=False,
+                      opset_version=17, input_names=["input"], output_names=["logits"])  # fmt: skip
+    model = LoadedModel.load(path)
+    assert "AveragePool" not in {n.op_type for n in model.proto.graph.node}
+    x = np.random.default_rng(0).standard_normal((1, 3, size, size)).astype(np.float32)
+    session = ort.InferenceSession(
+        model.proto.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    (got,) = session.run(None, {"input": x})
+    np.testing.assert_allclose(got, net(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,10 @@
 """Rewrite window ops whose ORT 1.19.2 gradient fails into convolutions with constant kernels.
 
-* **AveragePool**: ORT's ``AveragePoolGrad`` kernel takes its output shape from the shape
+* **AveragePool** (``ceil_mode=1`` too: where ceil and floor give the same windows at the
+  model's static input size it changes nothing; where they differ the last windows are padded
+  at the end — divided by their real element counts, or with ``count_include_pad=1`` by the
+  whole kernel, as ORT 1.19.2 computes them):
+  ORT's ``AveragePoolGrad`` kernel takes its output shape from the shape
   recorded in the graph at session creation, so at a symbolic batch it allocates a batch of 0
   and the step dies (``Can broadcast 0 by 0 or 1``, or SIGFPE inside the kernel — measured on
   Caffe2-era zoo graphs and on a torch ``nn.AvgPool2d``). It becomes a depthwise ``Conv`` with
@@ -135,8 +139,8 @@ class RewriteAveragePoolPass(InPlacePass):
     """Rewrite AveragePool into a depthwise Conv with a constant kernel (module docstring).
 
     Raises (from ``call``):
-        UnsupportedOpError: ``ceil_mode=1`` (no exact Conv form), or the channel count of the
-            pooled value cannot be inferred.
+        UnsupportedOpError: ``ceil_mode=1`` at a spatial size that is not static, or the
+            channel count of the pooled value cannot be inferred.
     """
 
     def __init__(self, source: str = "model"):
@@ -149,7 +153,8 @@ class RewriteAveragePoolPass(InPlacePass):
         ]
         if not pools:
             return PassResult(model, modified=False)
-        if any(_channels(n) is None for n in pools):
+        ceil = any(_int(n, "ceil_mode", 0) for n in pools)
+        if any(_channels(n) is None for n in pools) or ceil:
             ShapeInferencePass()(model)
         for node in pools:
             self._rewrite(model.graph, node)
@@ -160,11 +165,6 @@ class RewriteAveragePoolPass(InPlacePass):
 
     def _rewrite(self, graph: ir.Graph, node: ir.Node) -> None:
         where = f"{self.source}: node {node.name!r} (AveragePool)"
-        if _int(node, "ceil_mode", 0):
-            raise UnsupportedOpError(
-                f"{where} uses ceil_mode=1, which has no exact rewrite etgraph can train "
-                "through: re-export with ceil_mode=False (or pad the input)"
-            )
         channels = _channels(node)
         if channels is None:
             raise UnsupportedOpError(
@@ -176,15 +176,29 @@ class RewriteAveragePoolPass(InPlacePass):
         rank = len(kernel)
         auto_pad = _string(node, "auto_pad", "NOTSET")
         pads = _ints(node, "pads", [0] * (2 * rank))
-        window = {"kernel_shape": kernel, "strides": _ints(node, "strides", [1] * rank)}
+        strides = _ints(node, "strides", [1] * rank)
+        dilations = _ints(node, "dilations")
+        extra = [0] * rank  # end padding that makes floor mode give ceil mode's windows
+        if _int(node, "ceil_mode", 0) and not auto_pad.startswith("SAME"):
+            extra = _ceil_extra(x, kernel, strides, pads, dilations)
+            if extra is None:
+                raise UnsupportedOpError(
+                    f"{where} uses ceil_mode=1 on an input whose spatial size is not static: "
+                    "export the model at a fixed input size (or with ceil_mode=False)"
+                )
+        window = {"kernel_shape": kernel, "strides": strides}
         if auto_pad != "NOTSET":
             window["auto_pad"] = auto_pad
         else:
             window["pads"] = pads
-        dilations = _ints(node, "dilations")
+        if any(extra):  # the last windows run past the end: pad there, divide by real counts
+            window["pads"] = pads[:rank] + [p + e for p, e in zip(pads[rank:], extra, strict=True)]
+            window.pop("auto_pad", None)
         if dilations is not None:
             window["dilations"] = dilations
-        padded = auto_pad.startswith("SAME") or any(pads)
+        padded = auto_pad.startswith("SAME") or any(pads) or any(extra)
+        # ORT 1.19.2 divides by the whole kernel with count_include_pad=1, even a last window
+        # of ceil mode that runs past the end padding; by the real elements without it
         exclude_pad = padded and not _int(node, "count_include_pad", 0)
 
         b = _Builder(node.name, _float_dtype(x))
@@ -221,6 +235,35 @@ class RewriteAveragePoolPass(InPlacePass):
         left = _remaining(model, "AveragePool")
         if left:
             raise PostconditionError(f"nodes not rewritten: {left[:5]}")
+
+
+def _ceil_extra(
+    x: ir.Value,
+    kernel: list[int],
+    strides: list[int],
+    pads: list[int],
+    dilations: list[int] | None,
+) -> list[int] | None:
+    """Per spatial axis, the end padding a floor-mode window needs to give the output a
+    ``ceil_mode=1`` pool gives at ``x``'s static spatial size (0 where the two agree: an even
+    map halved, as in timm's "d" ResNets); None when the size is not static. A last window that
+    would start past the input and its begin padding is not counted (ORT, torch)."""
+    if x.shape is None or len(x.shape) != len(kernel) + 2:
+        return None
+    dims = list(x.shape[2:])
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    rank = len(kernel)
+    extra = []
+    for i, d in enumerate(dims):
+        k = (kernel[i] - 1) * (dilations[i] if dilations else 1) + 1
+        total = d + pads[i] + pads[rank + i]
+        floor_out = (total - k) // strides[i] + 1
+        ceil_out = -(-(total - k) // strides[i]) + 1
+        if (ceil_out - 1) * strides[i] >= d + pads[i]:
+            ceil_out -= 1
+        extra.append(max(0, (ceil_out - 1) * strides[i] + k - total) if ceil_out > floor_out else 0)
+    return extra
 
 
 def _channels(node: ir.Node) -> int | None:
