@@ -565,3 +565,27 @@ def test_data_mismatch_is_an_error_before_profiling(tmp_path, tiny_cnn_onnx):
     with pytest.raises(DataError, match="has 11 classes but the model outputs 10"):
         compile_model(tiny_cnn_onnx, tmp_path / "out", data=str(folder), cache_dir=tmp_path / "c")
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+# ---- what to do, for the model's exporter --------------------------------------------------
+
+
+def test_remedy_follows_the_exporter_and_the_package():
+    from etgraph.exporters import exporter_of, package_of, remedy
+
+    assert exporter_of("pytorch") == "torch" and exporter_of("tf2onnx") == "tf2onnx"
+    assert exporter_of("PaddlePaddle") == "" and exporter_of("paddle2onnx") == "paddle2onnx"
+    assert remedy("fix it", producer_name="pytorch", torch="x.flatten(1)") == (
+        "fix it (x.flatten(1)) and re-export"
+    )
+    assert remedy("fix it", producer_name="tf2onnx", torch="x.flatten(1)") == (
+        "fix it in the TensorFlow/Keras (or JAX through jax2tf) model and convert it again "
+        "with tf2onnx"
+    )
+    assert remedy("fix it", producer_name="", torch="x") == "fix it and re-export"
+    wheel = "/venv/lib/python3.11/site-packages/rapidocr_onnxruntime/models/cls.onnx"
+    assert package_of(wheel) == "rapidocr_onnxruntime" and package_of("/tmp/m.onnx") is None
+    assert remedy("fix it", producer_name="pytorch", source=wheel, needed="a rewrite of X") == (
+        "the model ships in the package 'rapidocr_onnxruntime' and cannot be re-exported: "
+        "etgraph would need a rewrite of X to train it"
+    )
