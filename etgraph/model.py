@@ -35,7 +35,7 @@ from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from . import onnx_io
 from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
-from .exporters import remedy
+from .exporters import exporter_of, remedy
 from .ops import FLOAT_TYPES, data_path_values, op_rule
 
 log = logging.getLogger(__name__)
@@ -692,13 +692,16 @@ def normalisation_note(model: onnx.ModelProto, tensors: Sequence[TensorInfo]) ->
     convs = sum(1 for t in tensors if t.kind == "kernel" and t.op_type in ("Conv", "ConvTranspose"))
     if convs < FOLDED_NORM_CONVS or any(t.kind in ("gamma", "beta") for t in tensors):
         return None
-    how = remedy(
-        "keep them at export",
-        producer_name=model.producer_name,
-        torch="torch.onnx.export(..., optimize=False) with the default dynamo exporter; "
-        "training=torch.onnx.TrainingMode.TRAINING with dynamo=False",
-        needed="the model's batch norms, which the exporter folded",
-    )
+    if exporter_of(model.producer_name) == "tf2onnx":  # its frozen graph folds them: no option
+        how = "tf2onnx offers no way to keep them; the folded kernels and biases train"
+    else:
+        how = remedy(
+            "keep them at export",
+            producer_name=model.producer_name,
+            torch="torch.onnx.export(..., optimize=False) with the default dynamo exporter; "
+            "training=torch.onnx.TrainingMode.TRAINING with dynamo=False or timm's onnx_export",
+            needed="the model's batch norms, which the exporter folded",
+        )
     return (
         f"{convs} convolutions and no normalisation layer: if the network has batch norms, the "
         f"exporter folded them into the convolutions and they cannot be trained; {how}"
