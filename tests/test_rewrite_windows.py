@@ -400,3 +400,29 @@ def test_timm_avg_down_with_ceil_mode_loads_and_computes_torchs_output(tmp_path,
     )
     (got,) = session.run(None, {"input": x})
     np.testing.assert_allclose(got, net(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_global_max_pool_sized_through_shape_arithmetic_is_rewritten():
+    """tf2onnx's UpSampling2D leaves spatial dims that only data propagation finds (a Reshape
+    to Concat(Shape(x)[:2], [8, 8])): they are found, and the pool rewritten."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Shape", ["c"], ["s"], name="shape", end=2),
+        helper.make_node("Concat", ["s", "hw"], ["target"], name="concat", axis=0),
+        helper.make_node("Reshape", ["c", "target"], ["r"], name="reshape"),
+        helper.make_node("GlobalMaxPool", ["r"], ["o"], name="win"),
+        helper.make_node("Flatten", ["o"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1),
+    ]
+    inits = [
+        random_initializer("w", (6, 3, 3, 3), scale=1.0),
+        random_initializer("b", (6,), scale=1.0),
+        onnx.numpy_helper.from_array(np.array([8, 8], np.int64), "hw"),
+        random_initializer("fw", (4, 6), scale=1.0),
+        random_initializer("fb", (4,), scale=1.0),
+    ]
+    model = make_model(nodes, inits, in_shape=("N", 3, 8, 8))
+    out, modified = rewrite(RewriteGlobalMaxPass(), model)
+    assert modified and "GlobalMaxPool" not in {n.op_type for n in out.graph.node}
+    x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(window_output(out, x), window_output(model, x))

@@ -361,7 +361,7 @@ def _spatial_max(node: ir.Node) -> tuple[list[int], bool, int] | None:
         spatial, channels_last = list(x.shape[1 : rank - 1]), True
     else:
         return None
-    if not all(isinstance(d, int) for d in spatial):
+    if not all(isinstance(d, int) and d > 0 for d in spatial):
         return None
     return spatial, channels_last, keepdims
 
@@ -383,9 +383,12 @@ class RewriteGlobalMaxPass(InPlacePass):
         ]
         if not nodes:
             return PassResult(model, modified=False)
-        if any(_spatial_max(n) is None for n in nodes):
+        for options in ({"data_prop": False}, {"strict_mode": False}):  # then through the
+            # shape arithmetic (tf2onnx's UpSampling2D): dims > 0 are checked by _spatial_max
+            if all(_spatial_max(n) is not None for n in nodes):
+                break
             with contextlib.suppress(Exception):  # shapes as far as they can be inferred
-                ShapeInferencePass(data_prop=False)(model)
+                ShapeInferencePass(**options)(model)
         count = 0
         for node in nodes:
             found = _spatial_max(node)
