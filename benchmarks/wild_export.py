@@ -126,7 +126,13 @@ def jax_cnn(out: str) -> None:
     )
     spec = (tf.TensorSpec((None, 32, 32, 3), tf.float32, name="input"),)
     fn = tf.function(lambda x: converted(variables, x), input_signature=spec, autograph=False)
-    tf2onnx.convert.from_function(fn, input_signature=spec, opset=17, output_path=out)
+    try:
+        tf2onnx.convert.from_function(fn, input_signature=spec, opset=17, output_path=out)
+    except ValueError as exc:  # the XlaCallModule node's attributes
+        raise SystemExit(
+            f"tf2onnx {tf2onnx.__version__} cannot convert jax2tf's XlaCallModule (JAX "
+            f"{jax.__version__} serialises to StableHLO only): {exc}"
+        ) from exc
 
 
 def sklearn_mlp(out: str) -> None:
