@@ -117,8 +117,10 @@ class Dataset(_Split):
         name: ``"digits"`` or the image folder path.
         num_classes: number of classes in the data.
         class_names: one name per label index.
-        input_shape: ``(C, H, W)`` of one image as fed to the model.
+        input_shape: ``(C, H, W)`` of one image (decoded, resized, normalised).
         augment_flip: whether training batches are randomly flipped left-right.
+        channels_last: batches are fed ``[B, H, W, C]`` (a channels-last model: Keras through
+            tf2onnx, :func:`image_layout`) instead of ``[B, C, H, W]``.
     """
 
     name: str
@@ -129,12 +131,15 @@ class Dataset(_Split):
     val_index: np.ndarray  # int64 [n_val]
     augment_flip: bool
     _load: object = field(repr=False)  # callable(indices int64 [n]) -> float32 [n, C, H, W]
+    channels_last: bool = False
 
     def _batch(self, index: np.ndarray, rng: np.random.Generator | None) -> Batch:
         x = self._load(index)
         if rng is not None and self.augment_flip:
             flip = rng.random(index.size) < 0.5
             x[flip] = x[flip, :, :, ::-1]
+        if self.channels_last:
+            x = x.transpose(0, 2, 3, 1)
         return np.ascontiguousarray(x, dtype=np.float32), self.labels[index].astype(np.int64)
 
     def train_batches(
@@ -234,6 +239,16 @@ def _check_num_classes(name: str, n_data: int, num_classes: int | None) -> None:
             f"dataset {name} has {n_data} classes but the model outputs {num_classes}: "
             "use a model with a wider output layer or fewer class folders"
         )
+
+
+def image_layout(dims: Sequence[int]) -> str:
+    """``"NCHW"`` or ``"NHWC"``: the layout of an image input whose dims after the batch are
+    ``dims``. Channels last when the last dim is 1 or 3 and the first is not (Keras through
+    tf2onnx: ``[B, 96, 96, 3]``); channels first otherwise (torch, Paddle, Caffe2)."""
+    dims = [int(d) for d in dims]
+    if len(dims) == 3 and dims[2] in (1, 3) and dims[0] not in (1, 3):
+        return "NHWC"
+    return "NCHW"
 
 
 def _check_input_shape(input_shape: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -1063,7 +1078,8 @@ def load_task_data(
     any model), a ``.csv``/``.jsonl`` text file tokenized with ``tokenizer``
     (:func:`load_text_dataset`, token models), else the digits task or an image folder
     (:func:`load_dataset`, normalised by ``preprocess``) for a model with one float image input
-    ``[B, C, H, W]`` trained with cross-entropy.
+    ``[B, C, H, W]``, or ``[B, H, W, C]`` (:func:`image_layout`: fed channels last), trained
+    with cross-entropy.
 
     Raises:
         DataError: as the loaders; image data for a model that is not a single-input image
@@ -1088,22 +1104,28 @@ def load_task_data(
     if len(inputs) != 1 or inputs[0].rank != 4 or not inputs[0].is_float:
         raise DataError(
             f"image data ({spec or 'digits'}) feeds models with one float image input "
-            f"[B, C, H, W]; this model has inputs {names[:8]}: pass --data FILE.npz with one "
-            "array per input"
+            f"[B, C, H, W] or [B, H, W, C]; this model has inputs {names[:8]}: pass --data "
+            "FILE.npz with one array per input"
         )
     if task.loss != "ce":
         raise DataError(
             f"image data ({spec or 'digits'}) has class labels; --loss {task.loss} needs "
             "--data FILE.npz with float targets"
         )
-    return load_dataset(
+    dims = tuple(int(d) for d in shapes[names[0]])
+    channels_last = image_layout(dims) == "NHWC"
+    dataset = load_dataset(
         spec,
-        input_shape=tuple(shapes[names[0]]),  # type: ignore[arg-type]
+        input_shape=(dims[2], dims[0], dims[1]) if channels_last else dims,  # type: ignore
         num_classes=task.width,
         val_fraction=val_fraction,
         seed=seed,
         preprocess=preprocess,
     )
+    if channels_last:
+        log.info("input %s is channels-last %s: images fed [B, H, W, C]", names[0], list(dims))
+        dataset.channels_last = True
+    return dataset
 
 
 def as_dataset(

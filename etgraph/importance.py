@@ -70,12 +70,12 @@ import onnx
 
 from .artifacts import ArtifactCache, ArtifactPaths
 from .checkpoint import read_checkpoint, write_checkpoint
-from .data import Preprocess, load_task_data
+from .data import ArrayDataset, Dataset, Preprocess, load_task_data
 from .errors import ConfigError
 from .files import private_temp_dir
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
-from .sessions import GradientSession, OrtConfig
+from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch
 
 log = logging.getLogger(__name__)
 
@@ -516,6 +516,7 @@ def probe_importance(
     seed: int = 0,
     cache_dir: str | os.PathLike | None = None,
     preprocess: Preprocess | None = None,
+    dataset: Dataset | ArrayDataset | None = None,
 ) -> np.ndarray:
     """Importance of every trainable tensor of ``model`` at its initial weights (paper Eq. 2).
 
@@ -535,6 +536,8 @@ def probe_importance(
         seed: probe-batch seed (batch ``i`` uses ``seed + i``).
         cache_dir: artifact cache root (default: a temporary directory, removed afterwards).
         preprocess: the model's input normalisation for image folders (None: ImageNet).
+        dataset: ``data`` already loaded (:func:`etgraph.data.load_task_data`, e.g. before
+            profiling, so a data error comes first); ``data`` and ``tokenizer`` then unused.
 
     Returns:
         float64 [N], forward order (``model.names``).
@@ -544,22 +547,30 @@ def probe_importance(
         ModelError: the training graph cannot be built.
     """
     # labels >= the model's outputs must never reach ORT's loss: DataError names the folders
-    dataset = load_task_data(
-        data,
-        inputs=model.inputs,
-        shapes=input_shapes,
-        task=model.task,
-        tokenizer=tokenizer,
-        preprocess=preprocess,
-    )
-    batches = [dataset.probe_batch(batch_size, seed + i) for i in range(probe_batches)]
+    if dataset is None:
+        dataset = load_task_data(
+            data,
+            inputs=model.inputs,
+            shapes=input_shapes,
+            task=model.task,
+            tokenizer=tokenizer,
+            preprocess=preprocess,
+        )
+    batches = []
+    for i in range(probe_batches):  # a dataset smaller than the batch: padded to the batch shape
+        x, y = dataset.probe_batch(batch_size, seed + i)
+        batches.append(padded_batch(as_inputs(x, model.input_names), y, batch_size))
     with private_temp_dir("importance") as tmp:
         root = Path(cache_dir) if cache_dir is not None else Path(tmp)
+        # At the probe's static batch shape, as every other session: ORT's gradient builder
+        # takes two different symbolic dims to be equal, so a broadcast it cannot see (a
+        # DistilBERT's [1, T] position ids against [B, T] tokens) is not summed, and the
+        # gradient kernels write past their buffers (a crash, or heap corruption).
         evaluator = ImportanceEvaluator(
             model.proto,
             model.names,
             model.running_stats,
-            ArtifactCache(root),
+            ArtifactCache(root, static_batch=(batch_size, input_shapes)),
             weight_decay=weight_decay,
             loss=model.task.loss,
             input_names=model.input_names,

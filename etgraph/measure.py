@@ -26,7 +26,7 @@ import re
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from . import artifacts
 from .errors import ConfigError, ModelError
 from .files import private_temp_dir
 from .host import physical_cores
-from .model import InputSpec, LoadedModel, Task
+from .model import Batch, LoadedModel, random_batch
 from .sessions import TrainingSession, inference_session, session_options
 
 log = logging.getLogger(__name__)
@@ -122,58 +122,6 @@ class NodeTiming:
     op: str
     outputs: list[str]
     us: float
-
-
-@dataclass
-class Batch:
-    """One fixed training batch.
-
-    Attributes:
-        inputs: every model input by name, ``[B, ...]`` each, of the input's dtype.
-        labels: the target: int64 [B] class indices (ce) or float32 [B, D] (mse).
-        label_name: the training graph's target input (:attr:`etgraph.model.Task.label_name`).
-    """
-
-    inputs: dict[str, np.ndarray]
-    labels: np.ndarray
-    label_name: str = "labels"
-
-
-def random_batch(
-    batch_size: int,
-    inputs: Sequence[InputSpec],
-    shapes: Mapping[str, Sequence[int]],
-    task: Task,
-) -> Batch:
-    """A reproducible random batch (seed 0) for a model.
-
-    Float inputs are standard normal; integer inputs used as lookup indices are uniform in
-    ``[0, index_rows)`` (valid token ids); other integer and bool inputs are ones (a mask that
-    keeps everything). Labels: uniform in ``[0, K)`` (ce) or standard normal ``[B, D]`` (mse).
-
-    Raises:
-        ModelError: the output width (K or D) is not static.
-    """
-    if task.width is None:
-        raise ModelError(
-            f"model output {task.output!r} must be [B, K] (or [B, D] for mse) with a static "
-            "last dim"
-        )
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for spec in inputs:
-        shape = (batch_size, *shapes[spec.name])
-        if spec.is_float:
-            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-        elif spec.index_rows:
-            feeds[spec.name] = rng.integers(0, spec.index_rows, size=shape).astype(spec.dtype)
-        else:
-            feeds[spec.name] = np.ones(shape, dtype=spec.dtype)
-    if task.loss == "ce":
-        labels = rng.integers(0, task.width, size=batch_size).astype(np.int64)
-    else:
-        labels = rng.standard_normal((batch_size, task.width)).astype(np.float32)
-    return Batch(inputs=feeds, labels=labels, label_name=task.label_name)
 
 
 def _training_feeds(

@@ -19,6 +19,7 @@ reloading the file.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,17 +35,23 @@ from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from . import onnx_io
 from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
+from .exporters import exporter_of, remedy
 from .ops import FLOAT_TYPES, data_path_values, op_rule
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LOSSES",
+    "Batch",
     "InputSpec",
     "LoadedModel",
     "Task",
     "TensorInfo",
     "input_shapes",
     "input_specs",
+    "normalisation_note",
     "parse_input_shapes",
+    "random_batch",
     "removed_head",
     "running_statistics",
     "task_of",
@@ -193,7 +200,12 @@ def trainable_tensors(model: onnx.ModelProto) -> list[TensorInfo]:
     if not rows:
         raise ModelError(
             "the model has no trainable tensors (no float initializer reaches the data path); "
-            "export it with its weights as initializers (do_constant_folding=False)"
+            + remedy(
+                "export it with its weights as initializers",
+                producer_name=model.producer_name,
+                torch="do_constant_folding=False",
+                needed="weights it can train (float initializers)",
+            )
         )
     rows.sort(key=lambda r: (r[0], r[1]))
     return [
@@ -578,8 +590,12 @@ def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[Non
         raise ModelError(
             f"onnxruntime cannot run the model at batch {batch_size}: it was exported at batch "
             f"{exported}, which its graph fixes where etgraph cannot free it (e.g. attention "
-            f"reshapes) ({cause}): use --batch-size {exported}, or export it with a dynamic batch "
-            "dimension (torch: dynamic_axes={'input': {0: 'batch'}})"
+            f"reshapes) ({cause}): use --batch-size {exported}, or "
+            + remedy(
+                "export it with a dynamic batch dimension",
+                producer_name=model.producer_name,
+                torch="dynamic_axes={'input': {0: 'batch'}}",
+            ).removesuffix(" and re-export")
         ) from exc
 
 
@@ -608,6 +624,88 @@ def with_batch(
     odim.Clear()
     odim.dim_value = int(batch_size)
     return out
+
+
+@dataclass
+class Batch:
+    """One fixed training batch.
+
+    Attributes:
+        inputs: every model input by name, ``[B, ...]`` each, of the input's dtype.
+        labels: the target: int64 [B] class indices (ce) or float32 [B, D] (mse).
+        label_name: the training graph's target input (:attr:`etgraph.model.Task.label_name`).
+    """
+
+    inputs: dict[str, np.ndarray]
+    labels: np.ndarray
+    label_name: str = "labels"
+
+
+def random_batch(
+    batch_size: int,
+    inputs: Sequence[InputSpec],
+    shapes: Mapping[str, Sequence[int]],
+    task: Task,
+) -> Batch:
+    """A reproducible random batch (seed 0) for a model.
+
+    Float inputs are standard normal; integer inputs used as lookup indices are uniform in
+    ``[0, index_rows)`` (valid token ids); other integer and bool inputs are ones (a mask that
+    keeps everything). Labels: uniform in ``[0, K)`` (ce) or standard normal ``[B, D]`` (mse).
+
+    Raises:
+        ModelError: the output width (K or D) is not static.
+    """
+    if task.width is None:
+        raise ModelError(
+            f"model output {task.output!r} must be [B, K] (or [B, D] for mse) with a static "
+            "last dim"
+        )
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for spec in inputs:
+        shape = (batch_size, *shapes[spec.name])
+        if spec.is_float:
+            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        elif spec.index_rows:
+            feeds[spec.name] = rng.integers(0, spec.index_rows, size=shape).astype(spec.dtype)
+        else:
+            feeds[spec.name] = np.ones(shape, dtype=spec.dtype)
+    if task.loss == "ce":
+        labels = rng.integers(0, task.width, size=batch_size).astype(np.int64)
+    else:
+        labels = rng.standard_normal((batch_size, task.width)).astype(np.float32)
+    return Batch(inputs=feeds, labels=labels, label_name=task.label_name)
+
+
+#: A model with at least this many convolution kernels and no normalisation layer gets
+#: :func:`normalisation_note` (a CNN's batch norms folded at export).
+FOLDED_NORM_CONVS = 4
+
+
+def normalisation_note(model: onnx.ModelProto, tensors: Sequence[TensorInfo]) -> str | None:
+    """What to say about a CNN with no normalisation tensors at all (at least
+    :data:`FOLDED_NORM_CONVS` convolution kernels, no gamma or beta): exporters fold a
+    network's batch norms into its convolutions at export (torch's default dynamo exporter
+    does unless ``optimize=False``; ``dynamo=False`` in eval mode), leaving nothing of them to
+    train. None for any other model."""
+    convs = sum(1 for t in tensors if t.kind == "kernel" and t.op_type in ("Conv", "ConvTranspose"))
+    if convs < FOLDED_NORM_CONVS or any(t.kind in ("gamma", "beta") for t in tensors):
+        return None
+    if exporter_of(model.producer_name) == "tf2onnx":  # its frozen graph folds them: no option
+        how = "tf2onnx offers no way to keep them; the folded kernels and biases train"
+    else:
+        how = remedy(
+            "keep them at export",
+            producer_name=model.producer_name,
+            torch="torch.onnx.export(..., optimize=False) with the default dynamo exporter; "
+            "training=torch.onnx.TrainingMode.TRAINING with dynamo=False or timm's onnx_export",
+            needed="the model's batch norms, which the exporter folded",
+        )
+    return (
+        f"{convs} convolutions and no normalisation layer: if the network has batch norms, the "
+        f"exporter folded them into the convolutions and they cannot be trained; {how}"
+    )
 
 
 # ---- the loaded model ----
@@ -655,7 +753,11 @@ class LoadedModel:
         path = Path(path)
         if loss not in LOSSES:
             raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
-        return cls.from_proto(onnx_io.load_model(path, output=output), source=path, loss=loss)
+        loaded = cls.from_proto(onnx_io.load_model(path, output=output), source=path, loss=loss)
+        note = normalisation_note(loaded.proto, loaded.tensors)
+        if note is not None:
+            log.warning("%s: %s", path, note)
+        return loaded
 
     @classmethod
     def from_proto(

@@ -42,6 +42,7 @@ from passes.onnx import (
     FreeBatchDimPass,
     RestoreHeadPass,
     legalization_pipeline,
+    unzip_map_outputs,
 )
 
 from .errors import ModelError, first_line
@@ -250,6 +251,7 @@ def legalize(
     Raises:
         ModelError, UnsupportedOpError, ConfigError: as :func:`load_model`.
     """
+    model, output = unzip_map_outputs(model, output, source)  # onnx_ir cannot read maps
     result = run_passes(legalization_pipeline(source, output), ir.from_proto(model))
     return ir.to_proto(result.model)
 
@@ -323,7 +325,9 @@ def export_with_original_outputs(
 ) -> None:
     """Rewrite the trained inference model at ``trained_path`` as the user's original model
     (``original_path``: every original input and output, its own head and opset) holding the
-    trained values, matched by initializer name; in place and atomically. ``params``: the
+    trained values, matched by initializer name; in place and atomically. The output trained on
+    is added when it is not one of the original's (the tensor a ZipMap output maps: ORT fetches
+    graph outputs only, and the exported model is scored on it). ``params``: the
     names of the tensors training changed (weights and running statistics); default every
     float initializer of the trained model (its other constants may be legalisation's own).
 
@@ -335,11 +339,15 @@ def export_with_original_outputs(
         original = read_onnx(original_path)
     except ModelError as exc:
         raise ModelError(f"cannot re-read the original model: {exc}") from exc
+    trained_model = onnx.load(str(trained_path))
     trained = {  # weights and running statistics; the values of other constants are the same
         i.name: i
-        for i in onnx.load(str(trained_path)).graph.initializer
+        for i in trained_model.graph.initializer
         if i.data_type in FLOAT_TYPES and (params is None or i.name in params)
     }
+    output = trained_model.graph.output[0]
+    if output.name not in {o.name for o in original.graph.output}:  # a ZipMap's tensor
+        original.graph.output.append(output)
     inits = {i.name: i for i in original.graph.initializer}
     missing = [name for name in trained if name not in inits]
     if missing:

@@ -67,6 +67,8 @@ class OpRule:
         fix: for ``gradient`` False or ``"rewrite"``: what to do about the op, as said in errors.
         why: for ``gradient`` False: what is wrong with its gradient in onnxruntime-training
             1.19.2, as said in errors.
+        torch_fix: how a torch user makes ``fix`` (said only for models torch exported:
+            :func:`etgraph.exporters.remedy`).
         index_slots: input indices that select from the op's data (Gather's indices): they carry
             no gradient, but an output selected by values computed from the model's inputs
             (token ids) is on the data path (:func:`data_path_values`).
@@ -87,6 +89,7 @@ class OpRule:
     index_slots: tuple[int, ...] = ()
     embedding_grad: bool = False
     why: str = "has no gradient"
+    torch_fix: str = ""
 
 
 DEFAULT_RULE = OpRule()
@@ -156,8 +159,9 @@ OP_RULES: dict[str, OpRule] = {
     "ReduceSum": _REDUCE,
     "ReduceMax": OpRule(
         nondiff_slots=(1,),
-        gradient=False,
-        fix="replace it by MaxPool, or avoid it on the trained path",
+        gradient="rewrite",
+        fix="reduce over the spatial axes of a static-shape value (etgraph then rewrites it as "
+        "MaxPool over the whole window), or avoid it on the trained path",
     ),
     "ReduceMin": _REDUCE,
     "ReduceProd": _REDUCE,
@@ -173,9 +177,9 @@ OP_RULES: dict[str, OpRule] = {
     **{
         op: OpRule(
             gradient=False,
-            fix="export without data-dependent control flow (torch: .squeeze(dim) of a "
-            "symbolic dim exports an If, use .flatten(1) or .reshape; nn.EmbeddingBag a Loop, "
-            "use nn.Embedding and a mean)",
+            fix="export without data-dependent control flow",
+            torch_fix=".squeeze(dim) of a symbolic dim exports an If, use .flatten(1) or "
+            ".reshape; nn.EmbeddingBag a Loop, use nn.Embedding and a mean",
         )
         for op in ("If", "Loop", "Scan")
     },
@@ -190,6 +194,9 @@ OP_RULES: dict[str, OpRule] = {
     "HardSwish": OpRule(gradient="rewrite", fix="rewrite as x * clip(x + 3, 0, 6) / 6"),
     "HardSigmoid": OpRule(gradient="rewrite", fix="rewrite as clip(alpha*x + beta, 0, 1)"),
     "Sum": OpRule(gradient="rewrite", fix="replace it by a chain of Add"),
+    "CastLike": OpRule(
+        nondiff_slots=(1,), gradient="rewrite", fix="replace it by Cast to the type it takes"
+    ),
     "Elu": OpRule(gradient="rewrite", fix="rewrite as relu(x) + alpha * (exp(min(x, 0)) - 1)"),
     "Selu": OpRule(gradient="rewrite", fix="rewrite as gamma * elu(x; alpha)"),
     "Celu": OpRule(
@@ -198,7 +205,9 @@ OP_RULES: dict[str, OpRule] = {
     "PRelu": OpRule(gradient="rewrite", fix="rewrite as relu(x) + slope * min(x, 0)"),
     # no gradient builder in ORT 1.19.2, refused on the data path
     "GlobalMaxPool": OpRule(
-        gradient=False, fix="replace it by MaxPool with kernel_shape = the spatial size"
+        gradient="rewrite",
+        fix="give it static spatial dims (etgraph then rewrites it as MaxPool over the whole "
+        "window: pass --input-shape, or export at a fixed input size)",
     ),
     "Softplus": OpRule(gradient=False, fix="rewrite as log(1 + exp(x))"),
     "Atan": OpRule(gradient=False, fix="remove it from the trained path"),
@@ -208,14 +217,16 @@ OP_RULES: dict[str, OpRule] = {
     # a gradient builder, but its kernel is CUDA-only in 1.19.2 (no CPU ResizeGrad)
     "Resize": OpRule(
         nondiff_slots=(1, 2, 3),
-        gradient=False,
-        fix="upsample by an integer factor with Unsqueeze + Expand + Reshape (nearest)",
+        gradient="rewrite",
+        fix="upsample by integer factors in nearest mode (etgraph then rewrites it exactly as "
+        "Reshape + Expand + Reshape)",
         why=_NO_CPU_KERNEL,
     ),
     "Upsample": OpRule(
         nondiff_slots=(1,),
-        gradient=False,
-        fix="upsample by an integer factor with Unsqueeze + Expand + Reshape (nearest)",
+        gradient="rewrite",
+        fix="upsample by integer factors in nearest mode (etgraph then rewrites it exactly as "
+        "Reshape + Expand + Reshape)",
         why=_NO_CPU_KERNEL,
     ),
     # recurrent layers: LSTMGrad/GRUGrad crash the process (SIGSEGV) unless both W and R get a

@@ -43,9 +43,9 @@ from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .ort_probe import OrtOptions
-from .profile import Profile
+from .profile import Profile, default_cache_dir
 from .selection import IMPORTANCE_STRATEGIES, MemoryCosts, strategy_mask
-from .sessions import GradientSession, TrainingSession
+from .sessions import GradientSession, TrainingSession, check_sessions
 from .timing import StepTimeFit
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,10 @@ class PeriodController:
         work_dir: where the session checkpoints and importance's chunk files go.
         threads: ORT intra-op threads.
         memory_profile: the memory model (required under ``config.memory_mb``).
+
+    Raises:
+        NativeCrashError: the model's first steps crash ORT (:func:`etgraph.sessions.
+            check_sessions`, in a child process, once per model).
     """
 
     def __init__(
@@ -144,6 +148,15 @@ class PeriodController:
         self._evaluator: ImportanceEvaluator | None = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self._startup_peak_mb: float | None = None
+        check_sessions(  # a native crash of ORT on this model: one line (once per model)
+            model,
+            config.batch_size,
+            model.input_shapes(profile.input_shapes),
+            threads=threads,
+            frozen_bn=config.frozen_bn,
+            cache=cache,
+            record_dir=default_cache_dir(),
+        )
 
     @property
     def bounded(self) -> bool:

@@ -23,7 +23,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from . import graph, memory_profiler, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
-from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess
+from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess, load_task_data
 from .errors import ConfigError
 from .files import exclusive_lock, private_temp_dir
 from .importance import probe_importance
@@ -163,6 +163,16 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         model = load_model(model, output=output, loss=loss)
     shapes = model.input_shapes(input_shape)
     check_step_fits(model, batch_size, shapes)  # before anything is allocated
+    dataset = None
+    if data is not None:  # every data/model mismatch is an error before anything is measured
+        dataset = load_task_data(
+            data,
+            inputs=model.inputs,
+            shapes=shapes,
+            task=model.task,
+            tokenizer=tokenizer,
+            preprocess=preprocess,
+        )
     cache_dir = cache_dir if cache_dir is not None else profile.default_cache_dir()
     log.info("%s: %d trainable tensors, inputs %s", model.source.name, len(model.tensors), shapes)
     with private_temp_dir("compile") as work:
@@ -217,6 +227,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
             input_shapes=shapes,
             tokenizer=tokenizer,
             preprocess=preprocess,
+            dataset=dataset,
         )
         importance_source = f"first-order importance on a probe batch of {data}"
     say(f"selecting tensors under rho {rho:g} (DP, paper Eq. 3)")

@@ -132,6 +132,7 @@ from .profile_levels import (
     measure_thorough,
     selection_mask,
 )
+from .sessions import check_sessions
 from .timing import BranchCharges, backward_us, step_us
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,10 @@ def profile_model(
         private_temp_dir("profile") as work,
         exported_batch_hint(model.proto, batch_size),
     ):
+        # A native crash of ORT on this graph: one line, before any session runs in-process.
+        check_sessions(
+            model, batch_size, shapes, threads=threads, cache=artifact_cache, record_dir=cache_dir
+        )
         prof = _profile(
             model,
             shapes,

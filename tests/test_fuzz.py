@@ -377,11 +377,14 @@ mutation_lists = st.lists(
 )
 
 
-def mutate(base: str, mutations: list[tuple[str, int]]) -> onnx.ModelProto:
-    model = BASES[base]()
+def mutate_model(model: onnx.ModelProto, mutations: list[tuple[str, int]]) -> onnx.ModelProto:
     for name, seed in mutations:
         MUTATIONS[name](model, np.random.default_rng(seed))
     return model
+
+
+def mutate(base: str, mutations: list[tuple[str, int]]) -> onnx.ModelProto:
+    return mutate_model(BASES[base](), mutations)
 
 
 def _check(worker, tmp_path: Path, model: onnx.ModelProto, *, full: bool, shape, label: str):

@@ -143,18 +143,19 @@ def test_unsupported_op_names_node_and_suggests(tmp_path):
         load_model(save_model(model, tmp_path))
 
 
-def test_global_max_pool_refused(tmp_path):
+def test_global_max_pool_of_unknown_spatial_size_refused(tmp_path):
+    """Rewritten as MaxPool over the whole window when the spatial dims are static
+    (tests/test_rewrite_windows.py); at symbolic ones it stays and is refused."""
     nodes = [
         helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
         helper.make_node("GlobalMaxPool", ["c"], ["p"], name="gmp"),
         helper.make_node("Flatten", ["p"], ["y"], name="flat"),
     ]
-    with pytest.raises(UnsupportedOpError, match="'gmp'.*GlobalMaxPool"):
-        load_model(
-            save_model(
-                make_model(nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)]), tmp_path
-            )
-        )
+    model = make_model(
+        nodes, [random_initializer("w", (4, 3, 3, 3), scale=1.0)], in_shape=("N", 3, "H", "W")
+    )
+    with pytest.raises(UnsupportedOpError, match="'gmp'.*GlobalMaxPool.*static spatial dims"):
+        load_model(save_model(model, tmp_path))
 
 
 @pytest.mark.parametrize("op", ["HardSwish", "HardSigmoid"])
@@ -628,8 +629,17 @@ def test_control_flow_reading_the_data_is_refused():
     model = conv_head(nodes, "s")
     assert node_reads(model.graph.node[2]) == ["cond", "c"]
     assert "s" in data_path_values(model.graph)
+    model.producer_name = "pytorch"  # the torch hint, for a torch export only
     with pytest.raises(UnsupportedOpError, match=r"node 'branchy' uses op If, .* \.flatten\(1\)"):
         RefuseNoGradOpsPass("m.onnx")(ir.from_proto(model))
+    model.producer_name = "tf2onnx"
+    with pytest.raises(UnsupportedOpError) as refused:
+        RefuseNoGradOpsPass("m.onnx")(ir.from_proto(model))
+    assert "squeeze" not in str(refused.value)
+    assert str(refused.value).endswith(
+        "export without data-dependent control flow in the TensorFlow/Keras (or JAX through "
+        "jax2tf) model and convert it again with tf2onnx"
+    )
 
 
 def test_refuse_no_grad_ops_pass_on_and_off_the_data_path():
@@ -703,6 +713,7 @@ def test_pipeline_order_can_be_printed():
         "MaterializeWeightsPass",
         "UntieSharedWeightsPass",
         "SelectOutputPass",
+        "DropOutputNoOpsPass",
         "RemoveSoftmaxHeadPass",
         "FlattenClassOutputPass",
         "FreeBatchDimPass",
@@ -713,7 +724,10 @@ def test_pipeline_order_can_be_printed():
         "RewriteActivationsPass",
         "RewriteAveragePoolPass",
         "RewriteLrnPass",
+        "RewriteGlobalMaxPass",
+        "RewriteNearestResizePass",
         "ExpandSumPass",
+        "CastLikePass",
         "RefuseNoGradOpsPass",
     ]
     assert all(": " in line and "\n" not in line for line in described)

@@ -14,25 +14,33 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
    identical folded biases) is copied per layer: one tensor, one layer;
 6. :class:`SelectOutputPass` — the output trained on (the only one, or ``--output NAME``); the
    others dropped; input and output names kept;
-7. :class:`RemoveSoftmaxHeadPass` — a trailing Softmax/LogSoftmax taken off (the loss needs
+7. :class:`DropOutputNoOpsPass` — ops that change nothing at the end of the output (Identity,
+   a Cast to its own type, a reshape keeping ``[B, K]``) taken off, so a head before them is
+   seen;
+8. :class:`RemoveSoftmaxHeadPass` — a trailing Softmax/LogSoftmax taken off (the loss needs
    logits), recorded in the metadata and restored on export (:class:`RestoreHeadPass`);
-8. :class:`FlattenClassOutputPass` — an output ``[B, K, 1, 1]`` (1x1-conv classifiers) flattened
+9. :class:`FlattenClassOutputPass` — an output ``[B, K, 1, 1]`` (1x1-conv classifiers) flattened
    to ``[B, K]``, recorded and restored likewise;
-9. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
-10. :class:`NameNodesPass` — every node a unique non-empty name;
-11. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
-12. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
+10. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
+11. :class:`NameNodesPass` — every node a unique non-empty name;
+12. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
+13. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
     running mean/var outputs;
-13. :class:`IsolateInputNormPass` — a graph input read by a normalisation layer and other
+14. :class:`IsolateInputNormPass` — a graph input read by a normalisation layer and other
     nodes reaches the normalisation layer through an Identity (ORT's BatchNormalizationGrad
     would define ``<input>_grad`` twice);
-14. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
+15. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
     with gradients (Add/Sub/Mul/Div/Clip/Relu/Neg/Exp);
-15. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
+16. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
     (ORT's AveragePoolGrad fails at a symbolic batch);
-16. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
-17. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-18. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+17. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
+18. :class:`RewriteGlobalMaxPass` — GlobalMaxPool, spatial ReduceMax -> MaxPool over the whole
+    spatial window;
+19. :class:`RewriteNearestResizePass` — nearest Resize/Upsample by integer scales -> Reshape,
+    Expand, Reshape;
+20. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+21. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
+22. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
 :func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
@@ -67,14 +75,25 @@ from .batch_norm import (
     frozen_batch_norms,
 )
 from .eval_model import TrimEvalBatchNormPass
-from .head import HEAD_KEY, FlattenClassOutputPass, RemoveSoftmaxHeadPass, RestoreHeadPass
+from .head import (
+    HEAD_KEY,
+    DropOutputNoOpsPass,
+    FlattenClassOutputPass,
+    RemoveSoftmaxHeadPass,
+    RestoreHeadPass,
+)
 from .input_norm import IsolateInputNormPass
-from .io_names import OUTPUTS_KEY, SOURCE_KEY, SelectOutputPass
+from .io_names import OUTPUTS_KEY, SOURCE_KEY, SelectOutputPass, unzip_map_outputs
 from .node_names import NameNodesPass
 from .optional_outputs import AddOptionalOutputsPass
 from .refuse_no_grad_ops import RefuseNoGradOpsPass
-from .rewrite_no_grad_ops import ExpandSumPass, RewriteActivationsPass
-from .rewrite_windows import RewriteAveragePoolPass, RewriteLrnPass
+from .rewrite_no_grad_ops import CastLikePass, ExpandSumPass, RewriteActivationsPass
+from .rewrite_windows import (
+    RewriteAveragePoolPass,
+    RewriteGlobalMaxPass,
+    RewriteLrnPass,
+    RewriteNearestResizePass,
+)
 from .training_model import DropUnusedOptionalOutputsPass
 from .versions import MAX_IR_VERSION, MAX_OPSET, ConvertOpsetPass, LowerIrVersionPass
 from .weights import MaterializeWeightsPass, UntieSharedWeightsPass
@@ -88,7 +107,9 @@ __all__ = [
     "FROZEN_BN_MODES",
     "AddOptionalOutputsPass",
     "BakeFrozenParamsPass",
+    "CastLikePass",
     "ConvertOpsetPass",
+    "DropOutputNoOpsPass",
     "DropUnusedOptionalOutputsPass",
     "HEAD_KEY",
     "ExpandSumPass",
@@ -103,8 +124,10 @@ __all__ = [
     "RemoveSoftmaxHeadPass",
     "RestoreHeadPass",
     "RewriteAveragePoolPass",
+    "RewriteGlobalMaxPass",
     "RewriteActivationsPass",
     "RewriteLrnPass",
+    "RewriteNearestResizePass",
     "SelectOutputPass",
     "TrainableBatchNormPass",
     "TrimEvalBatchNormPass",
@@ -114,6 +137,7 @@ __all__ = [
     "frozen_batch_norms",
     "legalization_pipeline",
     "training_model_pipeline",
+    "unzip_map_outputs",
 ]
 
 
@@ -132,6 +156,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             MaterializeWeightsPass(),
             UntieSharedWeightsPass(),
             SelectOutputPass(source, output),
+            DropOutputNoOpsPass(),
             RemoveSoftmaxHeadPass(),
             FlattenClassOutputPass(),
             FreeBatchDimPass(),
@@ -142,7 +167,10 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             RewriteActivationsPass(source),
             RewriteAveragePoolPass(source),
             RewriteLrnPass(source),
+            RewriteGlobalMaxPass(source),
+            RewriteNearestResizePass(source),
             ExpandSumPass(source),
+            CastLikePass(source),
             RefuseNoGradOpsPass(source),
         ],
         steps=1,

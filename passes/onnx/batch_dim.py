@@ -93,7 +93,8 @@ def _data_path(graph: ir.Graph) -> set[int]:
 
 def _constant_ints(value: ir.Value | None) -> np.ndarray | None:
     """The int64 values of ``value`` when they are known statically: an initializer, a
-    ``Constant`` node, or an ``Unsqueeze`` of one (how torch writes a shape's elements)."""
+    ``Constant`` node (``value`` or ``value_ints``), or an ``Unsqueeze`` of one (how torch
+    writes a shape's elements)."""
     if value is None:
         return None
     if value.const_value is not None:
@@ -103,6 +104,8 @@ def _constant_ints(value: ir.Value | None) -> np.ndarray | None:
         return None
     if node.op_type == "Constant" and "value" in node.attributes:
         return node.attributes["value"].as_tensor().numpy().astype(np.int64).reshape(-1)
+    if node.op_type == "Constant" and "value_ints" in node.attributes:  # torch's dynamo exporter
+        return np.array(node.attributes["value_ints"].as_ints(), dtype=np.int64)
     if node.op_type == "Unsqueeze" and node.inputs:
         return _constant_ints(node.inputs[0])
     return None
@@ -133,11 +136,26 @@ def _free_concat_shape(graph: ir.Graph, concat: ir.Node, batch: int) -> int:
     return 1
 
 
+def _no_zero_after_batch(shape: ir.Value, kind: str | None) -> bool:
+    """The constant shape (an initializer, a Constant, or a Concat of constants) has no 0
+    after its first element, so a Reshape with ``allowzero=1`` (torch's dynamo exporter) can
+    take ``allowzero=0`` and a leading 0 that copies the batch."""
+    if kind == "Concat":
+        parts = [_constant_ints(v) for v in shape.producer().inputs]
+        if any(p is None for p in parts):
+            return False
+        target = np.concatenate(parts)
+    else:
+        target = _constant_ints(shape)
+    return target is not None and not (target[1:] == 0).any()
+
+
 def _free_reshapes(graph: ir.Graph, batch: int) -> int:
     """Give data-path Reshapes whose constant shape (an initializer, a ``Constant`` node as a
     torch TRAINING export writes it, or torch's Concat of scalar Constants:
-    :func:`_free_concat_shape`) starts with ``batch`` a leading 0 (copy the input's batch); a
-    shape constant used anywhere else is left alone. Returns the count."""
+    :func:`_free_concat_shape`) starts with ``batch`` a leading 0 (copy the input's batch; a
+    Reshape with ``allowzero=1`` gets ``allowzero=0`` when its shape has no other 0); a shape
+    constant used anywhere else is left alone. Returns the count."""
     data = _data_path(graph)
     count = 0
     for node in graph:
@@ -152,13 +170,20 @@ def _free_reshapes(graph: ir.Graph, batch: int) -> int:
         kind = "initializer" if shape_in.is_initializer() else None
         if producer is not None and producer.domain == "":
             kind = producer.op_type
+        if node.attributes.get_int("allowzero", 0) and not _no_zero_after_batch(shape_in, kind):
+            continue  # a 0 there is a literal 0: the leading one cannot mean "copy"
         if kind == "Concat":
-            count += _free_concat_shape(graph, producer, batch)
+            freed = _free_concat_shape(graph, producer, batch)
+            if freed and node.attributes.get_int("allowzero", 0):
+                node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
+            count += freed
             continue
         target = _constant_ints(shape_in) if kind in ("initializer", "Constant") else None
         if target is None or target.size == 0 or target[0] != batch:
             continue
         target[0] = 0  # _constant_ints returns a copy
+        if node.attributes.get_int("allowzero", 0):  # torch's dynamo exporter sets it
+            node.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
         if kind == "initializer":
             shape_in.const_value = ir.tensor(target, name=shape_in.name)
         else:

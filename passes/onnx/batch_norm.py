@@ -143,7 +143,8 @@ class InferenceBatchNormPass(InPlacePass):
         graph = model.graph
         todo = [node for node in graph if node.name in self.nodes]
         if any(node.inputs[0].shape is None for node in todo):
-            ShapeInferencePass()(model)
+            ShapeInferencePass(data_prop=False)(model)  # rank only (onnx's data
+            # propagation reads a Reshape shape [0, K] built by Concat as a literal 0)
         self.skipped = [node.name for node in todo if node.inputs[0].shape is None]
         if self.skipped:  # no rank to broadcast over: the layer keeps training mode
             log.warning(

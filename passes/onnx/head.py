@@ -2,6 +2,10 @@
 loss and put back on the exported inference model, so the trained model keeps the original
 output's meaning.
 
+* :class:`DropOutputNoOpsPass` — ops that change nothing at the end of the output (Identity, a
+  Cast to the type it has, a Reshape/Flatten/Squeeze that keeps ``[B, K]``): skl2onnx ends its
+  MLPClassifier with ``Softmax -> Identity``; taken off so the heads below are seen, not
+  recorded (the output is the same without them);
 * :class:`RemoveSoftmaxHeadPass` — a trailing Softmax/LogSoftmax over the class axis: the loss
   (ORT's SoftmaxCrossEntropyLoss) needs the logits before it;
 * :class:`FlattenClassOutputPass` — an output ``[B, K, 1, ..., 1]`` (a 1x1-conv classifier, as
@@ -14,16 +18,19 @@ the original output from the logits, in order, joined by ``" -> "``, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
+from onnx_ir.passes.common import ShapeInferencePass
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "HEAD_KEY",
+    "DropOutputNoOpsPass",
     "FlattenClassOutputPass",
     "RemoveSoftmaxHeadPass",
     "RestoreHeadPass",
@@ -108,6 +115,72 @@ def _trailing_head(graph: ir.Graph) -> tuple[str, ir.Value, list[ir.Node]] | Non
     if any(use.node not in nodes for use in logits.uses()):
         return None  # the logits feed something else too
     return f"{op_type}(axis={axis})", logits, nodes
+
+
+#: Ops that reshape without changing a ``[B, K]`` output when input and output are ``[B, K]``.
+_RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _output_no_op(graph: ir.Graph) -> ir.Node | None:
+    """The node making the single output if it changes nothing (an Identity, a Cast to its
+    input's type, a reshape whose input and output are both ``[B, K]`` with the same static K)
+    and its input is an inner value read by nothing else; else None."""
+    if len(graph.outputs) != 1:
+        return None
+    output = graph.outputs[0]
+    node = output.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or not node.inputs:
+        return None
+    source = node.inputs[0]
+    if source is None or source.is_graph_input() or source.is_initializer():
+        return None
+    if any(use.node is not node for use in source.uses()) or len(output.uses()) > 0:
+        return None
+    if node.op_type == "Identity":
+        return node
+    if node.op_type == "Cast":
+        to = node.attributes.get_int("to", None)
+        same = source.dtype is not None and to is not None and int(source.dtype) == to
+        return node if same else None
+    if node.op_type in _RESHAPES:
+        before, after = _static_dims(source), _static_dims(output)
+        if before is None or after is None or len(before) != 2 or len(after) != 2:
+            return None
+        return node if before[1] is not None and before[1] == after[1] else None
+    return None
+
+
+class DropOutputNoOpsPass(InPlacePass):
+    """Take ops that change nothing off the end of the single output (:func:`_output_no_op`),
+    so a Softmax before them is seen as the head; the output keeps its name."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        modified = False
+        last = graph.outputs[0].producer() if len(graph.outputs) == 1 else None
+        if last is not None and last.op_type in ("Cast", *_RESHAPES) and last.inputs:
+            if last.inputs[0] is not None and (
+                last.inputs[0].dtype is None or last.inputs[0].shape is None
+            ):
+                with contextlib.suppress(Exception):  # exporters that record no value types
+                    ShapeInferencePass(data_prop=False)(model)  # as batch_norm.py
+        while (node := _output_no_op(graph)) is not None:
+            output, source = graph.outputs[0], node.inputs[0]
+            name = output.name
+            if source.type is None:
+                source.type = output.type
+            if source.shape is None:
+                source.shape = output.shape
+            graph.outputs[0] = source
+            graph.remove(node, safe=True)
+            source.name = name
+            log.info("dropped the output's trailing %s (it changes nothing)", node.op_type)
+            modified = True
+        return PassResult(model, modified=modified)
+
+    def ensures(self, model: ir.Model) -> None:
+        if _output_no_op(model.graph) is not None:
+            raise PostconditionError("a no-op is left at the end of the output")
 
 
 class RemoveSoftmaxHeadPass(InPlacePass):

@@ -10,7 +10,9 @@ The registry (:mod:`etgraph.ops`) marks them ``gradient="rewrite"``:
   min(x, 0)`` (:class:`EluRule`, :class:`SeluRule`, :class:`CeluRule`, :class:`PReluRule`): exact
   for every x; a PRelu slope is then read by a Mul, so it stays frozen (not a trainable tensor);
 * variadic Sum ``Sum(a, b, c)`` -> ``Add(Add(a, b), c)``: built with onnx_ir nodes (a pattern
-  has a fixed number of inputs).
+  has a fixed number of inputs);
+* ``CastLike(x, like)`` -> ``Cast(x, to=dtype(like))`` (:class:`CastLikePass`; torch's dynamo
+  exporter makes a convolution's zero bias with it, from the image input).
 
 New nodes and values are named ``<node>/<part>``; the constants are ``Constant`` nodes, not
 initializers, so they never become trainable tensors. The rules are applied by the passes
@@ -31,6 +33,7 @@ from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 from onnxscript.rewriter import pattern
 
 __all__ = [
+    "CastLikePass",
     "CeluRule",
     "EluRule",
     "ExpandSumPass",
@@ -249,3 +252,35 @@ class ExpandSumPass(InPlacePass):
         left = _remaining(model, ("Sum",))
         if left:
             raise PostconditionError(f"nodes not rewritten: {left[:5]}")
+
+
+class CastLikePass(InPlacePass):
+    """Rewrite ``CastLike(x, like)`` into ``Cast(x, to=<like's element type>)`` where that type
+    is known (ORT 1.19.2 has no gradient builder for CastLike; the two are the same op once the
+    type is fixed)."""
+
+    def __init__(self, source: str = "model"):
+        super().__init__()
+        self.source = source
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        count = 0
+        for node in list(graph):
+            if node.domain != "" or node.op_type != "CastLike" or len(node.inputs) < 2:
+                continue
+            like = node.inputs[1]
+            if like is None or like.dtype is None:
+                continue
+            cast = ir.Node(
+                "",
+                "Cast",
+                [node.inputs[0]],
+                attributes=[ir.AttrInt64("to", int(like.dtype))],
+                name=f"{node.name}/Cast",
+            )
+            replace_nodes_and_values(graph, node, [node], [cast], node.outputs, cast.outputs)
+            count += 1
+        if count:
+            log.info("%s: rewrote %d CastLike nodes into Cast", self.source, count)
+        return PassResult(model, modified=count > 0)
