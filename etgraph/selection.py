@@ -267,8 +267,8 @@ def _check_feasible(t_dw, t_dy, budget, forward_us, t_full_us) -> None:
         else:
             msg += (
                 f"; even rho=1 is infeasible (forward + cheapest tensor = {min_rho:.2f} x the "
-                "measured full step): the profile is too noisy, re-profile with more --repeats "
-                "on a quieter machine"
+                "measured full step): the profile is too noisy, profile again on a quieter machine "
+                "(compile --repeats 10, or --profile-level thorough)"
             )
     else:
         msg += f"; raise the budget to at least {cheapest_us:.1f} us"
