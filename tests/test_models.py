@@ -204,3 +204,37 @@ def test_default_model_fine_tunes_on_digits(default_model_path, tmp_path):
     assert np.isfinite(losses).all()
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:5])
     assert end < 0.7 * start, (start, end)
+
+
+def test_mobilenet_v2_loads_torchvision_imagenet_weights_strictly():
+    """The zoo's MobileNetV2 has torchvision's parameter names: the ImageNet weights of the
+    benchmarks' vision task load strictly and are genuine (matplotlib's sample photo of Grace
+    Hopper -> 'military uniform', ImageNet class 652)."""
+    import matplotlib
+    from PIL import Image
+
+    from models import pretrained_vision
+
+    try:
+        model = pretrained_vision.imagenet_mobilenet_v2()
+    except FileNotFoundError:
+        pytest.skip(f"needs the vision task's packages: {pretrained_vision.INSTALL}")
+    photo = Image.open(f"{matplotlib.get_data_path()}/sample_data/grace_hopper.jpg")
+    x = np.asarray(photo.convert("RGB").resize((224, 224)), dtype=np.float32) / 255.0
+    x = (x - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
+    with torch.no_grad():
+        logits = model(torch.tensor(x.transpose(2, 0, 1)[None], dtype=torch.float32))
+    assert int(logits.argmax()) == 652
+    head = pretrained_vision.pretrained_mobilenet_v2(10).classifier[1]
+    assert head.out_features == 10 and float(head.bias.abs().max()) == 0.0
+
+
+def test_animal_mnist_arrays_are_read_without_its_loader():
+    from models import pretrained_vision
+
+    try:
+        images, labels = pretrained_vision.animal_arrays()
+    except FileNotFoundError:
+        pytest.skip(f"needs the vision task's packages: {pretrained_vision.INSTALL}")
+    assert images.shape == (10_000, 28, 28) and images.dtype == np.uint8
+    np.testing.assert_array_equal(np.bincount(labels), [1000] * 10)
