@@ -127,7 +127,12 @@ from .host import (
     reset_peak_rss,
     rss_mb,
 )
-from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
+from .importance import (
+    SCRATCH_MB,
+    ImportanceEvaluator,
+    check_importance_variant,
+    gradient_chunks,
+)
 from .labels import save_class_names, set_class_names, stamp_onnx
 from .memory import MemoryProfile
 from .model import LoadedModel
@@ -227,6 +232,9 @@ class TrainConfig:
             rate 0) and keeps the fastest; or a candidate's label (``"off"``, ``"on"``,
             ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
             probe would hold two all-trainable sessions at once).
+        importance: which update defines delta_w in the importance (``elastic``, ``topk``;
+            :data:`etgraph.importance.IMPORTANCE_VARIANTS`): ``"adam"`` (the optimizer's next
+            step with the run's moments), ``"first-step"``, ``"grad-sq"`` or ``"random"``.
     """
 
     epochs: int = 12
@@ -252,6 +260,7 @@ class TrainConfig:
     deadline_s: float | None = None
     memory_mb: float | None = None
     spinning: str = "auto"
+    importance: str = "adam"
 
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
@@ -273,6 +282,7 @@ class TrainConfig:
                 f"rho must be in (0, 1] (fraction of the full step time), got {self.rho}"
             )
         check_frozen_bn(self.frozen_bn)
+        check_importance_variant(self.importance)
         if not (0.0 < self.reference_budget <= 1.0):
             raise ConfigError(f"reference budget must be in (0, 1], got {self.reference_budget}")
         if self.deadline_s is not None:
@@ -662,6 +672,7 @@ class _Run:
                 input_names=self.model.input_names,
                 chunks=chunks,
                 config=self.ort.config,
+                variant=self.config.importance,
             )
             if chunks is not None:
                 log.info(
@@ -1100,12 +1111,20 @@ class _Run:
                 self.dataset.probe_batch(cfg.batch_size, _probe_seed(cfg.seed, period) + 7919 * i)
                 for i in range(cfg.probe_batches)
             ]
+            seed = _probe_seed(cfg.seed, period)  # the "random" variant's draw
             if isinstance(carried, Path):
                 result = self.evaluator(memory).evaluate_checkpoint(
-                    carried, batches, cfg.learning_rate, self.out / SESSION_DIR
+                    carried, batches, cfg.learning_rate, self.out / SESSION_DIR, seed=seed
                 )
             else:
-                result = self.evaluator().evaluate(carried.weights, batches, cfg.learning_rate)
+                result = self.evaluator().evaluate(
+                    carried.weights,
+                    batches,
+                    cfg.learning_rate,
+                    moments=carried.moments,
+                    step=carried.step,
+                    seed=seed,
+                )
             importance = result.importance
             _memory_log("importance")
         t1 = time.perf_counter()
