@@ -30,7 +30,7 @@ from .errors import (
     first_line,
 )
 from .host import process_age_s
-from .selection import STRATEGIES
+from .selection import IMPORTANCE_VARIANTS, STRATEGIES
 
 #: When the command (this process) started, on the ``time.perf_counter`` clock: ``train
 #: --deadline`` counts from here.
@@ -548,6 +548,14 @@ def compile_command(
     type=click.Choice(STRATEGIES),
     help="Tensor selection: elastic (DP) or a baseline.",
 )
+@click.option(
+    "--importance",
+    default="adam",
+    show_default=True,
+    type=click.Choice(IMPORTANCE_VARIANTS),
+    help="delta_w of the tensor importance: the optimizer's next step with the run's moments "
+    "(adam), AdamW's first step, an SGD step (grad-sq), or random (an ablation).",
+)
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
 @click.option(
     "--out",
@@ -608,6 +616,7 @@ def train_command(
     rho,
     period,
     strategy,
+    importance,
     seed,
     out,
     resume_dir,
@@ -692,6 +701,7 @@ def train_command(
         deadline_s=parse_duration(deadline) if deadline is not None else None,
         memory_mb=memory_mb,
         spinning=spinning,
+        importance=importance,
     ).validate()  # before anything is measured
     # The data before the model is profiled: a data error must not wait for profiling.
     shapes = profile.input_shapes if profile is not None else input_shape or None

@@ -85,6 +85,7 @@ from .data import Preprocess, load_task_data
 from .errors import ConfigError
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
+from .selection import IMPORTANCE_VARIANTS
 from .sessions import GradientSession, OrtConfig
 
 log = logging.getLogger(__name__)
@@ -206,11 +207,6 @@ def adamw_step(
     lr_corrected = learning_rate * np.sqrt(1.0 - b2**t) / (1.0 - b1**t)
     w1 = w - lr_corrected * m1 / (np.sqrt(v1) + eps)
     return w1 - learning_rate * weight_decay * w1 - w
-
-
-#: How delta_w is defined (module docstring): the optimizer's next step (default), AdamW's
-#: first step from zero moments, an SGD step, or no gradients at all (random importance).
-IMPORTANCE_VARIANTS = ("adam", "first-step", "grad-sq", "random")
 
 
 def check_importance_variant(variant: str) -> str:

@@ -73,6 +73,7 @@ __all__ = [
     "STRATEGIES",
     "BUDGETED_STRATEGIES",
     "IMPORTANCE_STRATEGIES",
+    "IMPORTANCE_VARIANTS",
     "strategy_mask",
 ]
 
@@ -85,6 +86,10 @@ STRATEGIES = ("elastic", "full", "last-layer", "bn-bias", "bias-only", "prefix",
 BUDGETED_STRATEGIES = ("elastic", "topk", "prefix")
 #: Strategies whose selection needs fresh importance every period.
 IMPORTANCE_STRATEGIES = frozenset({"elastic", "topk"})
+#: How the importance those strategies select by defines delta_w (:mod:`etgraph.importance`):
+#: the optimizer's next step (default), AdamW's first step from zero moments, an SGD step, or
+#: no gradients at all (random importance, an ablation baseline).
+IMPORTANCE_VARIANTS = ("adam", "first-step", "grad-sq", "random")
 
 #: Largest DP table (budget in time units) the solvers accept; beyond it pass ``resolution``.
 MAX_TABLE_UNITS = 1 << 26
