@@ -66,6 +66,32 @@ class Dense(nn.Module):
         return x @ self.kernel + self.bias
 
 
+class LearningRateScale(nn.Module):
+    """``layer`` trained at ``scale`` times the optimizer's learning rate, exactly, for AdamW
+    with one learning rate (ORT's): the output is ``scale * layer'(x)`` where ``layer'`` holds
+    ``layer``'s parameters divided by ``scale``, so the function is unchanged at export.
+
+    AdamW's step is invariant to the gradient's scale (``m / sqrt(v)``; up to eps), so each
+    parameter ``p' = p / scale`` moves by about ``lr`` per step and ``p = scale * p'`` by
+    ``scale * lr``; the decoupled weight decay shrinks ``p`` by ``lr * weight_decay`` as before.
+    Only for layers whose output is linear in all their parameters jointly (Linear, Dense,
+    a bias-free Conv): ``layer(x; p / s) * s == layer(x; p)``. Exported as the layer's own
+    nodes (its initializers consumed directly) and one ``Mul`` on its output.
+    """
+
+    def __init__(self, layer: nn.Module, scale: float):
+        super().__init__()
+        if not scale > 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.div_(scale)
+        self.layer, self.scale = layer, float(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.scale
+
+
 # ----------------------------------------------------------------------------- ResNet
 
 
