@@ -18,15 +18,20 @@ elastic at rho 0.5 and 0.35 with each importance variant (adam = the optimizer's
 first-step = the rule before issue 30, grad-sq, random); topk and prefix under the same
 budgets; last-layer; bn-bias; bias-only (BitFit); elastic at period 3 instead of 1; and the
 head at 10x the learning rate (``@head10``: an exact reparametrisation, see
-:class:`models.zoo.LearningRateScale`) for last-layer, full and elastic. Full runs first in every
-seed, the rest in an order shuffled by the seed (load drift spreads over all of them).
+:class:`models.zoo.LearningRateScale`) for last-layer, full and elastic. Run by run label in
+the order given (full first), every seed of a label before the next label, so whatever has run
+when the script is stopped forms complete rows; ``--continue`` skips the (label, seed) pairs
+already in the results file.
 
 Per run: final validation accuracy; whole-run wall time (``train()`` called to returned:
 training, validation, export) and training time (``wall_time_s``: steps and per-period
-overheads, validation excluded), each as a speedup over full of the same seed; the achieved
-step ratio; the overhead split (``summary.json``: first selection, re-selection share,
-reference steps, ORT probe; per-period importance / selection / artifacts / session seconds
-summed from the log). Table: mean ± std over seeds. Results: benchmarks/results/
+overheads, validation excluded), each as a speedup over the full run of the same seed (runs
+minutes apart: the machine's load drifts between them); the speedup measured alike inside the
+run (``summary.json`` ``speedup``: full steps interleaved with the run's own, robust to that
+drift, per-period overheads included, validation and export not); the achieved step ratio;
+the overhead split (``summary.json``: first selection, re-selection share, reference steps,
+ORT probe; per-period importance / selection / artifacts / session seconds summed from the
+log). Table: mean ± std over seeds. Results: benchmarks/results/
 quality_ablation_<task>.json (written after every run, so an interrupted run keeps its part).
 
 Needs the benchmarks extra and the vision packages: ``pip install -e ".[benchmarks]"`` and
@@ -171,6 +176,9 @@ def ablation(args) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix=f"etgraph-ablation-{args.task}-"))
     out_json = RESULTS / f"quality_ablation_{args.task}{args.suffix}.json"
     runs: list[dict] = []
+    if args.resume and out_json.exists():
+        runs = json.loads(out_json.read_text())["runs"]
+    done = {(r["label"], r["seed"]) for r in runs}
     settings = dict(vars(args), **TASKS[args.task])
     try:
         models, profiles = {}, {}
@@ -187,12 +195,11 @@ def ablation(args) -> list[dict]:
                 ),
             )
             settings[f"profiling_s_head{scale:g}"] = time.perf_counter() - t0
-        for seed in args.seeds:
-            rest = [label for label in labels if label != "full"]
-            order = (["full"] if "full" in labels else []) + [
-                rest[i] for i in np.random.default_rng(seed).permutation(len(rest))
-            ]
-            for label in order:
+        order = (["full"] if "full" in labels else []) + [x for x in labels if x != "full"]
+        for label in order:
+            for seed in args.seeds:
+                if (label, seed) in done:
+                    continue
                 overrides = dict(RUNS[label])
                 scale = overrides.pop("head_scale", 1.0)
                 spec = models[scale]
@@ -276,6 +283,7 @@ def summarize(runs: list[dict]) -> dict:
             delta_vs_full_pt=delta,
             whole_speedup=whole,
             training_speedup=training,
+            measured_speedup=[r["result"]["speedup"] for r in mine],
             whole_s=[r["whole_s"] for r in mine],
             training_s=[r["result"]["wall_time_s"] for r in mine],
             rho_achieved=[x["rho_achieved"] for x in o],
@@ -290,6 +298,7 @@ def summarize(runs: list[dict]) -> dict:
                 _pm(delta, "{:+.1f}"),
                 _pm(whole, "{:.2f}") + "x",
                 _pm(training, "{:.2f}") + "x",
+                _pm(row["measured_speedup"], "{:.2f}") + "x",
                 _pm(row["rho_achieved"], "{:.2f}"),
                 _pm([x["importance_s"] for x in o], "{:.1f}"),
                 _pm([x["artifacts_s"] + x["session_s"] for x in o], "{:.1f}"),
@@ -304,6 +313,7 @@ def summarize(runs: list[dict]) -> dict:
         "Δ vs full (pt)",
         "whole-run speedup",
         "training speedup",
+        "speedup measured alike",
         "rho achieved",
         "importance s",
         "artifacts+session s",
@@ -409,6 +419,12 @@ def main() -> None:
     ap.add_argument("--period", type=int, default=1)
     ap.add_argument("--runs", nargs="+", default=None, help=f"labels of {list(RUNS)}")
     ap.add_argument("--suffix", default="", help="results file suffix")
+    ap.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="keep the results file's runs and skip their (label, seed) pairs",
+    )
     ap.add_argument("--max-steps", type=int, default=None, help="cap steps/epoch (smoke runs)")
     args = ap.parse_args()
     if args.task == "torch-reference":
