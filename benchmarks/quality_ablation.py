@@ -5,6 +5,8 @@ pretrained vision task and a pretrained text task, several seeds, whole-run time
     python benchmarks/quality_ablation.py text   [--seeds 0 1 2] [--epochs 2] [--runs LABEL ...]
     python benchmarks/quality_ablation.py default [--runs LABEL ...]  (the embedded digits task)
     python benchmarks/quality_ablation.py torch-reference      (the vision task in torch eager)
+    python benchmarks/quality_ablation.py table vision|text|default   (the table of every results
+                                                     file of the task, suffixes merged)
 
 vision  torchvision's ImageNet MobileNetV2 with a fresh 10-class head
         (:mod:`models.pretrained_vision`) on Animal-MNIST silhouettes (250 per class: 2,000
@@ -424,11 +426,26 @@ def torch_reference(args) -> None:
     (RESULTS / "quality_ablation_torch_reference.json").write_text(json.dumps(rows, indent=2))
 
 
+def table(task: str) -> str:
+    """The summary table over every ``quality_ablation_<task>*.json`` (runs of several
+    invocations, e.g. ``--suffix``; the first file's run of a (label, seed) pair wins)."""
+    runs, seen = [], set()
+    for path in sorted(RESULTS.glob(f"quality_ablation_{task}*.json")):
+        for r in json.loads(path.read_text())["runs"]:
+            if (r["label"], r["seed"]) not in seen:
+                seen.add((r["label"], r["seed"]))
+                runs.append(r)
+    order = list(RUNS)
+    runs.sort(key=lambda r: (order.index(r["label"]) if r["label"] in order else 99, r["seed"]))
+    return summarize(runs)["table"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("task", choices=[*TASKS, "torch-reference"])
+    ap.add_argument("task", choices=[*TASKS, "torch-reference", "table"])
+    ap.add_argument("table_task", nargs="?", choices=list(TASKS), help="table: the task")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--epochs", type=int, default=None, help="default: the task's (2, 12)")
     ap.add_argument("--period", type=int, default=None, help="default: the task's (1, 3)")
@@ -444,6 +461,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.task == "torch-reference":
         torch_reference(args)
+    elif args.task == "table":
+        print(table(args.table_task or "vision"))
     else:
         ablation(args)
 
