@@ -23,7 +23,7 @@ from .cli_options import (
 )
 from .errors import ConfigError, ModelError, ProfileMismatchError
 from .host import process_age_s
-from .selection import STRATEGIES
+from .selection import IMPORTANCE_VARIANTS, STRATEGIES
 
 #: When the command (this process) started, on the ``time.perf_counter`` clock: ``train
 #: --deadline`` counts from here.
@@ -59,6 +59,14 @@ STARTED = time.perf_counter() - process_age_s()
     show_default=True,
     type=click.Choice(STRATEGIES),
     help="Tensor selection: elastic (DP) or a baseline.",
+)
+@click.option(
+    "--importance",
+    default="adam",
+    show_default=True,
+    type=click.Choice(IMPORTANCE_VARIANTS),
+    help="delta_w of the tensor importance: the optimizer's next step with the run's moments "
+    "(adam), AdamW's first step, an SGD step (grad-sq), or random (an ablation).",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
 @click.option(
@@ -216,6 +224,7 @@ def _train_config(plan, opts: dict):
         deadline_s=parse_duration(deadline) if deadline is not None else None,
         memory_mb=opts["memory_mb"],
         spinning=opts["spinning"],
+        importance=opts["importance"],
     ).validate()
 
 

@@ -18,6 +18,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 from .artifacts import check_frozen_bn
 from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, as_dataset
 from .errors import ConfigError, DataError, ProfileMismatchError
+from .importance import check_importance_variant
 from .memory import check_step_fits
 from .selection import BUDGETED_STRATEGIES, STRATEGIES
 from .sessions import TRAIN_CANDIDATES
@@ -81,6 +82,9 @@ class TrainConfig:
             rate 0) and keeps the fastest; or a candidate's label (``"off"``, ``"on"``,
             ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
             probe would hold two all-trainable sessions at once).
+        importance: which update defines delta_w in the importance (``elastic``, ``topk``;
+            :data:`etgraph.selection.IMPORTANCE_VARIANTS`): ``"adam"`` (the optimizer's next
+            step with the run's moments), ``"first-step"``, ``"grad-sq"`` or ``"random"``.
     """
 
     epochs: int = 12
@@ -106,6 +110,7 @@ class TrainConfig:
     deadline_s: float | None = None
     memory_mb: float | None = None
     spinning: str = "auto"
+    importance: str = "adam"
 
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
@@ -129,6 +134,7 @@ class TrainConfig:
                 f"rho must be in (0, 1] (fraction of the full step time), got {self.rho}"
             )
         check_frozen_bn(self.frozen_bn)
+        check_importance_variant(self.importance)
         if not (0.0 < self.reference_budget <= 1.0):
             raise ConfigError(f"reference budget must be in (0, 1], got {self.reference_budget}")
         if self.deadline_s is not None:

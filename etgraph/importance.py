@@ -10,28 +10,38 @@ attributed to tensor ``k``; the terms are additive over tensors, which is what l
 Eq. (3) sum importances of a selection. (The paper writes Eq. 2 without the minus sign and takes
 its negative when selecting; here the sign is folded in so that larger = more useful.)
 
-**Which update defines delta_w.** The runtime trains with AdamW (onnxruntime-training 1.19.2 runs
-only AdamW and momentum-less SGD), so delta_w is the update AdamW makes for *all* tensors on the
-probe batch(es), from fresh optimizer state (zero moments, step 1), with the run's weight decay
-and its base learning rate (the rate scales every I_k alike, so it does not change the selection;
-the base rate keeps delta_w far above float32 rounding late in the cosine schedule)::
+**Which update defines delta_w** (``variant``, :data:`IMPORTANCE_VARIANTS`; the run's
+``TrainConfig.importance``). The runtime trains with ORT's AdamW (onnxruntime-training 1.19.2
+runs only AdamW and momentum-less SGD; Hugging Face mode, ``adam_mode=1``): at step ``t`` (the
+run's global step count + 1; ORT keeps one optimizer group) with the probe gradient ``g``::
 
-    delta_w = -lr * (g / (|g| + eps_eff) + weight_decay * w)    (bias-corrected first step)
+    m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2
+    w1 = w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m' / (sqrt(v') + eps),   w2 = w1 - lr * wd * w1
 
-(ORT's AdamW adds ``eps`` = 1e-6 to ``sqrt(v)`` before bias correction, so at step 1
-``eps_eff = eps / sqrt(1 - beta2)`` ~= 3.2e-5), hence
-``I_k ~= lr * (sum_i |g_i| * |g_i| / (|g_i| + eps_eff) + weight_decay * <g_k, w_k>)``: about
-``lr * ||g_k||_1``, with weights whose gradient is far below ``eps_eff`` contributing ~0.
+* ``"adam"`` (default) — delta_w = ``w2 - w``, the step the run's optimizer takes next
+  (:func:`adamw_step`): a tensor that trained in the last period with the moments ``m, v`` the
+  run carries (:class:`etgraph.checkpoint.CarriedState`); a tensor that did not with zero
+  moments at the run's step count — exactly what the loop starts a newly selected tensor
+  from. At the first period (no moments, ``t = 1``) this is ``"first-step"``. A tensor whose
+  momentum disagrees with the probe gradient scores low or negative; one whose gradient is
+  noisy scores by its signal-to-noise ratio (``|m| / sqrt(v)``), not by its size alone.
+* ``"first-step"`` — AdamW's first step from zero moments at ``t = 1`` for every tensor (the
+  rule before issue 30), ``delta_w = -lr * (g / (|g| + eps_eff) + weight_decay * w)`` with
+  ``eps_eff = eps / sqrt(1 - b2)`` ~= 3.2e-5, hence ``I_k ~= lr * ||g_k||_1``: every weight
+  moves by ``lr`` whatever the run has learned about its gradient, so the score grows with the
+  tensor's size.
+* ``"grad-sq"`` — an SGD step, ``delta_w = -lr * (g + weight_decay * w)``, ``I_k ~= lr *
+  ||g_k||^2`` (the loss drop of an optimizer the run does not train with; a baseline).
+* ``"random"`` — ``I_k`` uniform in (0, 1], drawn from the period's probe seed, no gradients
+  computed: the DP then picks a random selection within the budget (an ablation baseline).
 
-Why not the training optimizer's current moments: unselected tensors have none, so tensors
-would be scored under different update rules and the scores would not be comparable. Why not
-SGD (``delta_w = -lr * g``, ``I_k = lr * ||g_k||^2``): that is the loss drop of an optimizer we
-do not train with; under AdamW every weight moves by about ``lr`` whatever its gradient scale,
-and the first AdamW step scores tensors by exactly that.
+All variants use the run's base learning rate (it scales every ``I_k`` alike, so it does not
+change the selection; the base rate keeps delta_w far above float32 rounding late in the
+cosine schedule).
 
 **Cost.** The gradients come from a real ORT backward pass of all tensors; ``delta_w`` is the
-closed form above (:func:`adamw_first_step`, checked against a real ORT optimizer step in the
-tests), so no optimizer session and no fresh optimizer state are needed. The Module is built
+closed form above (:func:`adamw_step`, checked against real ORT optimizer steps in the tests),
+so no optimizer session is needed. The Module is built
 once and kept: an evaluation costs about one full training step (a re-selection per period
 must stay under 2% of the period, issue #6).
 
@@ -75,12 +85,15 @@ from .errors import ConfigError
 from .files import private_temp_dir
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .model import LoadedModel
+from .selection import IMPORTANCE_VARIANTS
 from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "IMPORTANCE_VARIANTS",
     "adamw_first_step",
+    "adamw_step",
     "gradient_chunks",
     "tensor_importance",
     "ImportanceResult",
@@ -153,41 +166,128 @@ def adamw_first_step(
     return -learning_rate * (g / (np.abs(g) + eps_eff) + weight_decay * w)
 
 
-#: Elements per chunk in :func:`_adamw_importance` (4 MB float32 scratch buffers).
+def adamw_step(
+    gradient: np.ndarray,
+    weight: np.ndarray,
+    learning_rate: float,
+    weight_decay: float,
+    *,
+    moments: Mapping[str, np.ndarray] | None = None,
+    step: int = 0,
+    betas: tuple[float, float] = ADAMW_BETAS,
+    eps: float = ADAMW_EPS,
+) -> np.ndarray:
+    """The update ORT's AdamW (onnxblock, Hugging Face mode) makes next, at step ``step + 1``.
+
+    ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``, ``w1 = w - lr * sqrt(1 - b2^t) /
+    (1 - b1^t) * m' / (sqrt(v') + eps)``, ``w2 = w1 - lr * weight_decay * w1`` with ``t = step
+    + 1`` (ORT's ``AdamWOptimizer`` kernel, ``adam_mode=1``).
+
+    Args:
+        gradient, weight: float arrays of one shape (dL/dw and w before the update).
+        learning_rate: > 0. weight_decay: decoupled weight decay, >= 0.
+        moments: ``{"momentum0": m, "momentum1": v}`` (the tensor's shape), as ORT stores them
+            (:class:`etgraph.checkpoint.CarriedState`); None = zero moments.
+        step: AdamW steps taken so far (the optimizer group's step count), >= 0.
+
+    Returns:
+        float64 array of the same shape, ``w2 - w``. With no moments at ``step`` 0 this is
+        :func:`adamw_first_step` (up to its ``lr^2 * weight_decay`` term).
+    """
+    g = np.asarray(gradient, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    b1, b2 = betas
+    m = v = 0.0
+    if moments is not None:
+        m = np.asarray(moments["momentum0"], dtype=np.float64)
+        v = np.asarray(moments["momentum1"], dtype=np.float64)
+    m1 = b1 * m + (1.0 - b1) * g
+    v1 = b2 * v + (1.0 - b2) * g * g
+    t = step + 1
+    lr_corrected = learning_rate * np.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+    w1 = w - lr_corrected * m1 / (np.sqrt(v1) + eps)
+    return w1 - learning_rate * weight_decay * w1 - w
+
+
+def check_importance_variant(variant: str) -> str:
+    """``variant`` if it is one of :data:`IMPORTANCE_VARIANTS`.
+
+    Raises:
+        ConfigError: another name (the message lists the variants).
+    """
+    if variant not in IMPORTANCE_VARIANTS:
+        raise ConfigError(
+            f"unknown importance {variant!r}: choose one of {', '.join(IMPORTANCE_VARIANTS)}"
+        )
+    return variant
+
+
+#: Elements per chunk in :func:`_tensor_importance` (4 MB float32 scratch buffers).
 _CHUNK = 1 << 20
 
 #: MiB an :class:`ImportanceEvaluator` holds for its life (three scratch buffers).
 SCRATCH_MB = 3 * _CHUNK * 4 / float(1 << 20)
 
 
-def _adamw_importance(
+def _tensor_importance(
+    variant: str,
     gradient: np.ndarray,
     weight: np.ndarray,
     learning_rate: float,
     weight_decay: float,
     batches: int,
     scratch: np.ndarray,
+    moments: Mapping[str, np.ndarray] | None = None,
+    step: int = 0,
 ) -> float:
-    """``tensor_importance`` of one tensor under :func:`adamw_first_step`, without the update.
+    """``tensor_importance`` of one tensor under ``variant``'s delta_w (``"adam"``:
+    :func:`adamw_step`, ``"first-step"``: :func:`adamw_first_step`, ``"grad-sq"``: an SGD step),
+    without materialising the update.
 
-    ``-sum(g * delta_w) = lr * sum(g * (g / (|g| + eps_eff) + wd * w))`` with ``g`` the
-    accumulated gradient divided by ``batches``. Computed chunk-wise in float32 with float64
-    accumulation in three preallocated buffers (``scratch``: float32 [3, _CHUNK]): whole-tensor
-    float64 temporaries cost ~0.5 s per evaluation on ResNet50 once freed memory has been
-    returned to the OS (page faults on every new array), ten times the arithmetic.
+    ``g`` is the accumulated gradient divided by ``batches``. Computed chunk-wise in float32
+    with float64 accumulation in three preallocated buffers (``scratch``: float32 [3, _CHUNK]):
+    whole-tensor float64 temporaries cost ~0.5 s per evaluation on ResNet50 once freed memory
+    has been returned to the OS (page faults on every new array), ten times the arithmetic.
     """
     g = np.asarray(gradient, dtype=np.float32).reshape(-1)
     w = np.asarray(weight, dtype=np.float32).reshape(-1)
-    eps_eff = ADAMW_EPS / np.sqrt(1.0 - ADAMW_BETAS[1])
+    m = v = None
+    if variant == "adam" and moments is not None:
+        m = np.asarray(moments["momentum0"], dtype=np.float32).reshape(-1)
+        v = np.asarray(moments["momentum1"], dtype=np.float32).reshape(-1)
+    b1, b2 = ADAMW_BETAS
+    t_next = step + 1
+    # -sum(g * delta_w) = lr * sum(g * (scale * direction + wd * w)), per variant
+    scale = np.sqrt(1.0 - b2**t_next) / (1.0 - b1**t_next) * (1.0 - learning_rate * weight_decay)
+    eps_eff = ADAMW_EPS / np.sqrt(1.0 - b2)
     total = 0.0
     for start in range(0, g.size, _CHUNK):
         gs, ws = g[start : start + _CHUNK], w[start : start + _CHUNK]
-        m = gs.size
-        gm, t, u = scratch[0, :m], scratch[1, :m], scratch[2, :m]
+        n = gs.size
+        gm, t, u = scratch[0, :n], scratch[1, :n], scratch[2, :n]
         np.multiply(gs, 1.0 / batches, out=gm)  # mean gradient over the probe batches
-        np.abs(gm, out=t)
-        t += eps_eff
-        np.divide(gm, t, out=t)  # g / (|g| + eps_eff)
+        if variant == "grad-sq":
+            t[...] = gm
+        elif variant == "first-step":
+            np.abs(gm, out=t)
+            t += eps_eff
+            np.divide(gm, t, out=t)  # g / (|g| + eps_eff)
+        else:  # adam: m' / (sqrt(v') + eps), scaled
+            if v is None:
+                u.fill(0.0)
+            else:
+                np.multiply(v[start : start + n], b2, out=u)
+            np.multiply(gm, gm, out=t)
+            t *= 1.0 - b2
+            u += t  # v'
+            np.sqrt(u, out=u)
+            u += ADAMW_EPS
+            np.multiply(gm, (1.0 - b1) / b1, out=t)
+            if m is not None:
+                t += m[start : start + n]
+            t *= b1  # m'
+            t /= u
+            t *= scale
         np.multiply(ws, weight_decay, out=u)
         t += u
         t *= gm
@@ -253,7 +353,7 @@ class ImportanceResult:
 
 
 class ImportanceEvaluator:
-    """Evaluates tensor importance with one AdamW step of all tensors on probe batches (§4).
+    """Evaluates tensor importance from one update of all tensors on probe batches (§4).
 
     Args:
         model: the forward ONNX model (legalised for training; :attr:`LoadedModel.proto`).
@@ -271,9 +371,12 @@ class ImportanceEvaluator:
             hold placeholders for its weights (:func:`etgraph.artifacts.placeholder_weights`).
         config: its session's options (the run's training options, so the reference steps
             timed on it are measured alike); default the "probe" role's.
+        variant: which update defines delta_w, one of :data:`IMPORTANCE_VARIANTS` (module
+            docstring).
 
     Raises:
         ModelError: onnxruntime-training cannot build the all-trainable training graph.
+        ConfigError: an unknown ``variant``.
     """
 
     def __init__(
@@ -289,7 +392,9 @@ class ImportanceEvaluator:
         input_names: Sequence[str] = (),
         chunks: Sequence[Sequence[int]] | None = None,
         config: OrtConfig | None = None,
+        variant: str = "adam",
     ):
+        self.variant = check_importance_variant(variant)
         self.threads = threads
         self.config = config
         self.input_names = list(input_names)
@@ -299,7 +404,7 @@ class ImportanceEvaluator:
         self.chunks = None if chunks is None else [list(c) for c in chunks]
         self._model, self._cache, self._loss = model, cache, loss
         self._session: GradientSession | None = None  # opened at the first evaluation
-        self._scratch = np.empty((3, _CHUNK), dtype=np.float32)  # see _adamw_importance
+        self._scratch = np.empty((3, _CHUNK), dtype=np.float32)  # see _tensor_importance
         t0 = time.perf_counter()
         self.paths: ArtifactPaths | None = None
         if self.chunks is None:
@@ -348,11 +453,15 @@ class ImportanceEvaluator:
         weights: Mapping[str, np.ndarray],
         batches: Iterable[tuple],
         learning_rate: float,
+        *,
+        moments: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+        step: int = 0,
+        seed: int = 0,
     ) -> ImportanceResult:
-        """Importance at ``weights`` from one AdamW update of all tensors on ``batches``.
+        """Importance at ``weights`` from one update of all tensors on ``batches``.
 
         Gradients of all batches are accumulated (ORT accumulates until ``lazy_reset_grad``)
-        and averaged; ``delta_w`` is AdamW's first step (:func:`adamw_first_step`). Nothing
+        and averaged; ``delta_w`` is the evaluator's ``variant`` (module docstring). Nothing
         outside this evaluator's own ORT session changes.
 
         Args:
@@ -360,16 +469,23 @@ class ImportanceEvaluator:
                 (the current training weights, including BatchNorm running statistics).
             batches: probe batches ``(x, y)``: ``x`` the inputs by name (or one array for a
                 single-input model), ``y`` the targets; at least one.
-            learning_rate: AdamW learning rate of the step (> 0); scales all ``I_k`` equally.
+            learning_rate: the run's learning rate (> 0); scales all ``I_k`` equally.
+            moments: ``"adam"``: name -> ``{"momentum0", "momentum1"}`` of the tensors that
+                trained (:attr:`etgraph.checkpoint.CarriedState.moments`); others start from
+                zero moments. step: the run's AdamW step count (``CarriedState.step``).
+            seed: ``"random"``: the draw's seed (e.g. the period's probe seed).
 
         Returns:
-            An :class:`ImportanceResult`.
+            An :class:`ImportanceResult` (``"random"``: loss NaN, no session opened).
 
         Raises:
             ConfigError: no batch, a missing weight, or a non-positive learning rate.
         """
         if not learning_rate > 0:
             raise ConfigError(f"learning rate must be positive, got {learning_rate}")
+        if self.variant == "random":
+            return self._random(seed)
+        moments = moments or {}
         missing = [n for n in self.tensor_names + self.frozen_names if n not in weights]
         if missing:
             raise ConfigError(f"no current value for tensor {missing[0]!r}")
@@ -383,13 +499,16 @@ class ImportanceEvaluator:
             raise ConfigError("importance needs at least one probe batch")
         importance = np.array(
             [
-                _adamw_importance(
+                _tensor_importance(
+                    self.variant,
                     session.gradient(name),  # a zero-copy view of the accumulated gradient
                     weights[name],
                     learning_rate,
                     self.weight_decay,
                     len(losses),
                     self._scratch,
+                    moments.get(name),
+                    step,
                 )
                 for name in self.tensor_names
             ],
@@ -398,15 +517,24 @@ class ImportanceEvaluator:
         cost_s = time.perf_counter() - t0
         return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
 
+    def _random(self, seed: int) -> ImportanceResult:
+        """The ``"random"`` variant: uniform in (0, 1] per tensor, no gradients."""
+        t0 = time.perf_counter()
+        importance = 1.0 - np.random.default_rng(seed).random(len(self.tensor_names))
+        return ImportanceResult(importance, float("nan"), time.perf_counter() - t0, 0.0)
+
     def evaluate_checkpoint(
         self,
         checkpoint: str | os.PathLike,
         batches: Sequence[tuple],
         learning_rate: float,
         scratch_dir: str | os.PathLike,
+        *,
+        seed: int = 0,
     ) -> ImportanceResult:
         """Importance at the weights of ``checkpoint`` (an ORT checkpoint holding every tensor
-        and running statistic, e.g. the run's), as :meth:`evaluate`.
+        and running statistic, e.g. the run's), as :meth:`evaluate` with the checkpoint's
+        moments and step.
 
         Without chunks: the weights are read and :meth:`evaluate` runs. With chunks (module
         docstring): one checkpoint per chunk is written to ``scratch_dir`` from a view of the
@@ -418,9 +546,17 @@ class ImportanceEvaluator:
             ConfigError: no batch, a non-positive learning rate, or a tensor missing from the
                 checkpoint. CheckpointError: the checkpoint cannot be read.
         """
-        if self.chunks is None:
-            state, _, _ = read_checkpoint(checkpoint, moments=False)
-            return self.evaluate(state.weights, batches, learning_rate)
+        adam = self.variant == "adam"
+        if self.chunks is None or self.variant == "random":
+            state, _, _ = read_checkpoint(checkpoint, moments=adam)
+            return self.evaluate(
+                state.weights,
+                batches,
+                learning_rate,
+                moments=state.moments,
+                step=state.step,
+                seed=seed,
+            )
         if not learning_rate > 0:
             raise ConfigError(f"learning rate must be positive, got {learning_rate}")
         if not batches:
@@ -429,6 +565,7 @@ class ImportanceEvaluator:
         scratch = Path(scratch_dir)
         scratch.mkdir(parents=True, exist_ok=True)
         state, _, _ = read_checkpoint(checkpoint, copy=False, moments=False)
+        step = state.step
         missing = [n for n in self.tensor_names + self.frozen_names if n not in state.weights]
         if missing:
             raise ConfigError(f"no current value for tensor {missing[0]!r}")
@@ -480,16 +617,21 @@ class ImportanceEvaluator:
                 )
                 losses = losses or chunk_losses  # every chunk computes the same forward pass
                 params = session.state.parameters
+                # the moments as views of the mapped file: only this chunk's pages are read
+                moments = read_checkpoint(checkpoint, copy=False)[0].moments if adam else {}
                 for k, name in zip(chunk, names, strict=True):
-                    importance[k] = _adamw_importance(
+                    importance[k] = _tensor_importance(
+                        self.variant,
                         session.gradient(name),
                         params[name].data,
                         learning_rate,
                         self.weight_decay,
                         len(chunk_losses),
                         self._scratch,
+                        moments.get(name),
+                        step,
                     )
-                del session, params
+                del session, params, moments
                 gc.collect()
                 release_native_memory()
                 log.debug("importance chunk released: RSS %.0f MiB", rss_mb())

@@ -224,6 +224,7 @@ class PeriodController:
                 input_names=self.model.input_names,
                 chunks=chunks,
                 config=self.options.config,
+                variant=self.config.importance,
             )
             if chunks is not None:
                 log.info(
@@ -357,10 +358,15 @@ class PeriodController:
         if self.config.strategy not in IMPORTANCE_STRATEGIES:
             return None
         batches, lr = self.probe_batches(period), self.config.learning_rate
+        seed = probe_seed(self.config.seed, period)  # the "random" variant's draw
         if isinstance(carried, Path):
-            result = self.evaluator(memory).evaluate_checkpoint(carried, batches, lr, self.work_dir)
+            result = self.evaluator(memory).evaluate_checkpoint(
+                carried, batches, lr, self.work_dir, seed=seed
+            )
         else:
-            result = self.evaluator().evaluate(carried.weights, batches, lr)
+            result = self.evaluator().evaluate(
+                carried.weights, batches, lr, moments=carried.moments, step=carried.step, seed=seed
+            )
         memory_log("importance")
         return result.importance
 

@@ -36,7 +36,8 @@ Strategies (what ``etgraph train --strategy`` and ``compile`` run):
 * :func:`select_for_rho` — THE "budget, then select" step: the budget of a step-time ratio
   ``rho`` from a profile, then the budgeted strategy (``elastic`` = the DP, ``topk``, ``prefix``).
 * :func:`strategy_mask` — the mask of any strategy in :data:`STRATEGIES` (the budget-free
-  ``full``, ``last-layer``, ``bn-bias`` and, through :func:`select_for_rho`, the budgeted ones).
+  ``full``, ``last-layer``, ``bn-bias``, ``bias-only`` and, through :func:`select_for_rho`,
+  the budgeted ones).
 
 Pure numpy: no ONNX Runtime or torch import here.
 """
@@ -72,6 +73,7 @@ __all__ = [
     "STRATEGIES",
     "BUDGETED_STRATEGIES",
     "IMPORTANCE_STRATEGIES",
+    "IMPORTANCE_VARIANTS",
     "strategy_mask",
 ]
 
@@ -79,11 +81,15 @@ log = logging.getLogger(__name__)
 
 #: Selection strategies of the runtime: the DP (``elastic``) and the baselines. ``prefix`` is the
 #: longest prefix of the backward pass that fits (:func:`select_backward_prefix`).
-STRATEGIES = ("elastic", "full", "last-layer", "bn-bias", "prefix", "topk")
+STRATEGIES = ("elastic", "full", "last-layer", "bn-bias", "bias-only", "prefix", "topk")
 #: Strategies that select under the budget of ``rho`` (:func:`select_for_rho`).
 BUDGETED_STRATEGIES = ("elastic", "topk", "prefix")
 #: Strategies whose selection needs fresh importance every period.
 IMPORTANCE_STRATEGIES = frozenset({"elastic", "topk"})
+#: How the importance those strategies select by defines delta_w (:mod:`etgraph.importance`):
+#: the optimizer's next step (default), AdamW's first step from zero moments, an SGD step, or
+#: no gradients at all (random importance, an ablation baseline).
+IMPORTANCE_VARIANTS = ("adam", "first-step", "grad-sq", "random")
 
 #: Largest DP table (budget in time units) the solvers accept; beyond it pass ``resolution``.
 MAX_TABLE_UNITS = 1 << 26
@@ -913,7 +919,9 @@ def strategy_mask(
         tolerance: rho as a target within ±tolerance (:func:`select_for_rho`).
 
     Returns:
-        A writable bool [N]. ``full``, ``last-layer`` and ``bn-bias`` ignore ``rho``;
+        A writable bool [N]. ``full``, ``last-layer``, ``bn-bias`` (normalisation gamma and
+        beta, every bias, the output layer; TinyTL-style) and ``bias-only`` (BitFit: every
+        bias and normalisation beta, the output layer) ignore ``rho``;
         ``elastic`` (paper Eq. 3 DP), ``topk`` and ``prefix`` (the longest prefix of the backward
         pass that fits) select under ``rho * t_full_us`` through :func:`select_for_rho`.
 
@@ -936,6 +944,10 @@ def strategy_mask(
         return np.array(
             [t.kind in ("gamma", "beta", "bias") or t.layer == last_layer for t in tensors],
             dtype=bool,
+        )
+    if strategy == "bias-only":
+        return np.array(
+            [t.kind in ("beta", "bias") or t.layer == last_layer for t in tensors], dtype=bool
         )
     if strategy == "prefix":
         importance = None  # the prefix ignores importance (runs without an importance pass)

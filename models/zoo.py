@@ -9,7 +9,8 @@ written out in plain torch, following the torchvision / timm definitions layer f
   original 4096-4096 classifier on the flattened last feature map (its first layer's width
   depends on the input size: ``512 * (input_size // 32) ** 2`` inputs), Dropout 0.5.
 - ``mobilenet_v2``: MobileNetV2 width 1.0 (inverted residuals, ReLU6, depthwise conv,
-  1280-channel last conv, Dropout 0.2 before the classifier).
+  1280-channel last conv, Dropout 0.2 before the classifier), with torchvision's parameter
+  names, so its ImageNet weights load as they are (:mod:`models.pretrained_vision`).
 - ``vit_b16``: ViT-B/16 (patch 16, width 768, depth 12, 12 heads, MLP 3072, pre-norm,
   class token, learned position embedding for ``(input_size // 16) ** 2 + 1`` tokens).
 
@@ -63,6 +64,32 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.kernel + self.bias
+
+
+class LearningRateScale(nn.Module):
+    """``layer`` trained at ``scale`` times the optimizer's learning rate, exactly, for AdamW
+    with one learning rate (ORT's): the output is ``scale * layer'(x)`` where ``layer'`` holds
+    ``layer``'s parameters divided by ``scale``, so the function is unchanged at export.
+
+    AdamW's step is invariant to the gradient's scale (``m / sqrt(v)``; up to eps), so each
+    parameter ``p' = p / scale`` moves by about ``lr`` per step and ``p = scale * p'`` by
+    ``scale * lr``; the decoupled weight decay shrinks ``p`` by ``lr * weight_decay`` as before.
+    Only for layers whose output is linear in all their parameters jointly (Linear, Dense,
+    a bias-free Conv): ``layer(x; p / s) * s == layer(x; p)``. Exported as the layer's own
+    nodes (its initializers consumed directly) and one ``Mul`` on its output.
+    """
+
+    def __init__(self, layer: nn.Module, scale: float):
+        super().__init__()
+        if not scale > 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.div_(scale)
+        self.layer, self.scale = layer, float(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.scale
 
 
 # ----------------------------------------------------------------------------- ResNet
@@ -207,30 +234,45 @@ class VGG16(nn.Module):
 # ----------------------------------------------------------------------------- MobileNetV2
 
 
+def conv_bn_relu6(
+    c_in: int, c_out: int, kernel: int = 3, stride: int = 1, groups: int = 1
+) -> nn.Sequential:
+    """Conv (no bias) -> BatchNorm -> ReLU6, 'same' padding (torchvision's Conv2dNormActivation
+    as MobileNetV2 uses it: parameters ``0.weight``, ``1.weight``, ``1.bias``)."""
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, kernel, stride, kernel // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(c_out),
+        nn.ReLU6(),
+    )
+
+
 class InvertedResidual(nn.Module):
+    """torchvision's block: ``conv`` = [1x1 expand (if expand != 1)], 3x3 depthwise, 1x1
+    project conv, BatchNorm; a residual connection when shape is kept."""
+
     def __init__(self, c_in: int, c_out: int, stride: int, expand: int):
         super().__init__()
         hidden = c_in * expand
         layers: list[nn.Module] = []
         if expand != 1:
-            layers += [nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+            layers.append(conv_bn_relu6(c_in, hidden, 1))
         layers += [
-            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
-            nn.BatchNorm2d(hidden),
-            nn.ReLU6(),
+            conv_bn_relu6(hidden, hidden, 3, stride, groups=hidden),
             nn.Conv2d(hidden, c_out, 1, bias=False),
             nn.BatchNorm2d(c_out),
         ]
-        self.block = nn.Sequential(*layers)
+        self.conv = nn.Sequential(*layers)
         self.residual = stride == 1 and c_in == c_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.block(x)
+        out = self.conv(x)
         return x + out if self.residual else out
 
 
 class MobileNetV2(nn.Module):
-    """MobileNetV2, width multiplier 1.0 (torchvision layout)."""
+    """MobileNetV2, width multiplier 1.0, in torchvision's layout and parameter names: its
+    ImageNet weights (``mobilenet_v2-b0353104.pth``) load with ``load_state_dict(strict=True)``
+    into ``MobileNetV2(1000)`` (:mod:`models.pretrained_vision`)."""
 
     # (expansion t, channels c, repeats n, stride s)
     CFG = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
@@ -239,16 +281,12 @@ class MobileNetV2(nn.Module):
     def __init__(self, num_classes: int):
         super().__init__()
         c = 32
-        layers: list[nn.Module] = [
-            nn.Conv2d(3, c, 3, 2, 1, bias=False),
-            nn.BatchNorm2d(c),
-            nn.ReLU6(),
-        ]
+        layers: list[nn.Module] = [conv_bn_relu6(3, c, 3, 2)]
         for t, c_out, n, s in self.CFG:
             for i in range(n):
                 layers.append(InvertedResidual(c, c_out, s if i == 0 else 1, t))
                 c = c_out
-        layers += [nn.Conv2d(c, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6()]
+        layers.append(conv_bn_relu6(c, 1280, 1))
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, num_classes))

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 from etgraph.artifacts import ArtifactCache
+from etgraph.checkpoint import read_checkpoint
 from etgraph.data import load_dataset
 from etgraph.errors import ConfigError
 from etgraph.importance import (
     _CHUNK,
+    IMPORTANCE_VARIANTS,
     ImportanceEvaluator,
-    _adamw_importance,
+    _tensor_importance,
     adamw_first_step,
+    adamw_step,
     gradient_chunks,
     probe_importance,
     tensor_importance,
@@ -38,18 +41,34 @@ def test_tensor_importance_is_minus_sum_of_gradient_times_update():
     np.testing.assert_allclose(sgd, [0.01 * np.sum(gi**2) for gi in g])
 
 
-def test_chunked_adamw_importance_equals_the_reference():
-    """The evaluator's chunked float32 form equals tensor_importance of adamw_first_step (the
-    documented definition) — across chunk boundaries and with several probe batches."""
+def test_chunked_importance_equals_the_reference_of_every_variant():
+    """The evaluator's chunked float32 form equals tensor_importance of each variant's
+    documented update (adamw_step with and without moments, adamw_first_step, an SGD step) —
+    across chunk boundaries and with several probe batches."""
     rng = np.random.default_rng(3)
     scratch = np.empty((3, _CHUNK), dtype=np.float32)
+    lr, wd = 1e-3, 0.05
     for size, batches in ((7, 1), (_CHUNK + 12345, 2), (2 * _CHUNK, 3)):
         g = (rng.standard_normal(size) * 10.0 ** rng.uniform(-9, -1, size)).astype(np.float32)
         w = rng.standard_normal(size).astype(np.float32)
+        moments = {
+            "momentum0": (0.3 * g + 1e-4 * rng.standard_normal(size)).astype(np.float32),
+            "momentum1": (g.astype(np.float64) ** 2 + 1e-9 * rng.random(size)).astype(np.float32),
+        }
         mean = g.astype(np.float64) / batches
-        expected = tensor_importance([mean], [adamw_first_step(mean, w, 1e-3, 0.05)])[0]
-        got = _adamw_importance(g, w, 1e-3, 0.05, batches, scratch)
-        np.testing.assert_allclose(got, expected, rtol=1e-5)
+        updates = {
+            "first-step": (adamw_first_step(mean, w, lr, wd), None, 0),
+            "grad-sq": (-lr * (mean + wd * w), None, 0),
+            "adam": (adamw_step(mean, w, lr, wd, moments=moments, step=40), moments, 40),
+        }
+        for variant, (delta, carried, step) in updates.items():
+            expected = tensor_importance([mean], [delta])[0]
+            got = _tensor_importance(variant, g, w, lr, wd, batches, scratch, carried, step)
+            np.testing.assert_allclose(got, expected, rtol=2e-5, err_msg=variant)
+        # no moments at step 0: the optimizer's next step is its first step (up to the
+        # lr^2 * wd * step term adamw_first_step leaves out)
+        first = adamw_first_step(mean, w, lr, wd)
+        np.testing.assert_allclose(adamw_step(mean, w, lr, wd), first, atol=2 * lr * lr * wd)
 
 
 def test_tensor_importance_rejects_mismatches():
@@ -124,6 +143,72 @@ def test_importance_matches_hand_computed_ort_step(setup):
     np.testing.assert_allclose(after[big] - w, predicted, atol=2e-6)
     # Most tensors carry positive importance (a loss-reducing step); the head is informative.
     assert (result.importance > 0).sum() >= len(names) // 2
+
+
+def test_adam_importance_is_the_next_real_ort_step_with_the_carried_moments(setup, tmp_path):
+    """After real AdamW steps, the "adam" importance (moments and step read back from ORT's own
+    checkpoint) equals -g . delta_w of the step ORT then takes on the probe batch; the first-step
+    rule (importance before issue 30), which ignores the moments, does not."""
+    evaluator, names, stats, weights, batch = setup
+    paths = evaluator.paths
+    session = TrainingSession(
+        paths.directory, paths.checkpoint, threads=None, input_names=["input"]
+    )
+    state = session.state
+    for name in names + stats:
+        state.parameters[name].data[...] = weights[name]
+    dataset = load_dataset(None, input_shape=(3, 32, 32))
+    for seed in range(4):
+        session.train_step(*dataset.probe_batch(4, seed=10 + seed), LR)
+    session.save(tmp_path / "ckpt", {})
+    carried, _, _ = read_checkpoint(tmp_path / "ckpt")
+    assert carried.step == 4 and set(carried.moments) == set(names)
+    now = {n: state.parameters[n].data.copy() for n in names + stats}
+    session.module(*batch)  # the next real step, on the probe batch
+    grads = {n: state.parameters[n].grad.copy() for n in names}
+    session.optimizer.set_learning_rate(LR)
+    session.optimizer.step()
+    expected = np.array(
+        [-np.sum(grads[n].astype(np.float64) * (state.parameters[n].data - now[n])) for n in names]
+    )
+    args = (carried.weights, [batch], LR)
+    got = evaluator.evaluate(*args, moments=carried.moments, step=carried.step).importance
+    np.testing.assert_allclose(got, expected, rtol=2e-3, atol=1e-10)
+    first_step = ImportanceEvaluator(
+        *evaluator_args(evaluator), weight_decay=WEIGHT_DECAY, input_names=["input"],
+        variant="first-step",
+    ).evaluate(*args).importance  # fmt: skip
+    assert not np.allclose(first_step, expected, rtol=0.1)
+
+
+def evaluator_args(evaluator):
+    return evaluator._model, evaluator.tensor_names, evaluator.frozen_names, evaluator._cache
+
+
+def test_importance_variants_differ_and_random_needs_no_gradients(setup):
+    evaluator, names, stats, weights, batch = setup
+    scores = {}
+    for variant in IMPORTANCE_VARIANTS:
+        other = ImportanceEvaluator(
+            *evaluator_args(evaluator), weight_decay=WEIGHT_DECAY, input_names=["input"],
+            variant=variant,
+        )  # fmt: skip
+        scores[variant] = other.evaluate(weights, [batch], LR, seed=7).importance
+        assert scores[variant].shape == (len(names),)
+    # at the first period (no moments, step 0) the optimizer's next step is its first step
+    np.testing.assert_allclose(scores["adam"], scores["first-step"], rtol=1e-3, atol=1e-12)
+    assert not np.allclose(scores["grad-sq"], scores["first-step"], rtol=0.1)
+    random = scores["random"]
+    assert random.min() > 0 and random.max() <= 1
+    # the draw is the seed's: another seed, another draw; no session was opened for it
+    other = ImportanceEvaluator(
+        *evaluator_args(evaluator), input_names=["input"], variant="random"
+    )  # fmt: skip
+    np.testing.assert_array_equal(other.evaluate(weights, [], LR, seed=7).importance, random)
+    assert not np.allclose(other.evaluate(weights, [], LR, seed=8).importance, random)
+    assert other._session is None
+    with pytest.raises(ConfigError, match="unknown importance 'sgd': choose one of adam"):
+        ImportanceEvaluator(*evaluator_args(evaluator), variant="sgd")
 
 
 def test_importance_leaves_training_state_untouched_and_repeats(setup):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -204,3 +205,60 @@ def test_default_model_fine_tunes_on_digits(default_model_path, tmp_path):
     assert np.isfinite(losses).all()
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:5])
     assert end < 0.7 * start, (start, end)
+
+
+def test_mobilenet_v2_loads_torchvision_imagenet_weights_strictly():
+    """The zoo's MobileNetV2 has torchvision's parameter names: the ImageNet weights of the
+    benchmarks' vision task load strictly and are genuine (matplotlib's sample photo of Grace
+    Hopper -> 'military uniform', ImageNet class 652)."""
+    import matplotlib
+    from PIL import Image
+
+    from models import pretrained_vision
+
+    try:
+        model = pretrained_vision.imagenet_mobilenet_v2()
+    except FileNotFoundError:
+        pytest.skip(f"needs the vision task's packages: {pretrained_vision.INSTALL}")
+    photo = Image.open(f"{matplotlib.get_data_path()}/sample_data/grace_hopper.jpg")
+    x = np.asarray(photo.convert("RGB").resize((224, 224)), dtype=np.float32) / 255.0
+    x = (x - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
+    with torch.no_grad():
+        logits = model(torch.tensor(x.transpose(2, 0, 1)[None], dtype=torch.float32))
+    assert int(logits.argmax()) == 652
+    head = pretrained_vision.pretrained_mobilenet_v2(10).classifier[1]
+    assert head.out_features == 10 and float(head.bias.abs().max()) == 0.0
+
+
+def test_animal_mnist_arrays_are_read_without_its_loader():
+    from models import pretrained_vision
+
+    try:
+        images, labels = pretrained_vision.animal_arrays()
+    except FileNotFoundError:
+        pytest.skip(f"needs the vision task's packages: {pretrained_vision.INSTALL}")
+    assert images.shape == (10_000, 28, 28) and images.dtype == np.uint8
+    np.testing.assert_array_equal(np.bincount(labels), [1000] * 10)
+
+
+def test_learning_rate_scale_keeps_the_function_and_scales_adamw_steps():
+    """LearningRateScale: same outputs; under one AdamW learning rate the wrapped layer's
+    effective weights move `scale` times as far as the plain layer's (AdamW is invariant to the
+    gradient's scale; the decoupled weight decay, lr * wd per step, is not scaled)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(6, 3)
+    wrapped = zoo.LearningRateScale(copy.deepcopy(plain), 10.0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    torch.testing.assert_close(wrapped(x), plain(x))
+    before = plain.weight.detach().clone()
+    for module in (plain, wrapped):
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3, eps=1e-12, weight_decay=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+            opt.step()
+    moved_plain = plain.weight.detach() - before
+    moved_wrapped = wrapped.layer.weight.detach() * 10.0 - before
+    torch.testing.assert_close(moved_wrapped, 10.0 * moved_plain, rtol=0.05, atol=1e-6)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        zoo.LearningRateScale(torch.nn.Linear(2, 2), 0.0)

@@ -377,6 +377,7 @@ def test_config_validation():
         (dict(epochs=0), "epochs must be a positive integer"),
         (dict(batch_size=0), "batch size must be a positive integer"),
         (dict(strategy="random"), "unknown strategy 'random'"),
+        (dict(importance="sgd"), "unknown importance 'sgd': choose one of adam, first-step"),
         (dict(learning_rate=-1.0), "learning rate must be positive"),
     ):
         with pytest.raises(ConfigError, match=message):

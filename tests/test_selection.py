@@ -474,6 +474,7 @@ def test_strategy_mask_of_every_strategy():
     assert masks["full"].tolist() == [True] * 6
     assert masks["last-layer"].tolist() == [False] * 5 + [True]
     assert masks["bn-bias"].tolist() == [False, True, True, False, True, True]
+    assert masks["bias-only"].tolist() == [False, False, True, False, True, True]  # BitFit
     for strategy in BUDGETED_STRATEGIES:
         expected = select_for_rho(PROFILE, 0.6, IMPORTANCE, strategy=strategy).mask
         assert masks[strategy].tolist() == expected.tolist()
