@@ -499,6 +499,9 @@ def test_resume_errors(tmp_path, default_profile, default_model, rho):
     out = tmp_path / "run"
     train(default_model, prof, config, out, progress=False)
     (out / "checkpoint").write_bytes((out / "checkpoint").read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="is damaged: its sha256 differs"):
+        resume(out, progress=False)
+    (out / "checkpoint.sha256").unlink()  # no digest recorded (an earlier etgraph's run)
     with pytest.raises(CheckpointError, match="is corrupt"):
         resume(out, progress=False)
 
