@@ -162,8 +162,8 @@ def test_cli_resume_takes_no_preprocessing_or_other_settings(tmp_path):
     done = run_cli_in_process("train", "--resume", tmp_path, "--frozen-bn", "train", "--std", "1")
     assert_user_error(done, "continues a run as configured: drop --std, --frozen-bn")
     # nor any other setting of the run, which it would silently ignore
-    done = run_cli_in_process("train", "m.onnx", "--resume", tmp_path, "--epochs", "2", "--quiet")
-    assert_user_error(done, "continues a run as configured: drop MODEL, --epochs (or start")
+    done = run_cli_in_process("train", "m.onnx", "--resume", tmp_path, "--lr", "2", "--quiet")
+    assert_user_error(done, "continues a run as configured: drop MODEL, --lr (or start")
 
 
 def test_cli_unknown_order_is_a_usage_error(tmp_path):
