@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from etgraph.config import TrainConfig  # noqa: E402
-from etgraph.data import digits_images, load_digits_arrays  # noqa: E402
+from etgraph.images import digits_images, load_digits_arrays  # noqa: E402
 from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
 from etgraph.profiler import profile_model  # noqa: E402

@@ -87,8 +87,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # the names as type checkers see them
     from .api import load_model, profile_model
+    from .arrays import ArrayDataset
     from .config import TrainConfig
-    from .data import ArrayDataset, Dataset, Preprocess, as_dataset
+    from .data import Dataset, as_dataset
     from .errors import (
         CheckpointError,
         ConfigError,
@@ -102,6 +103,7 @@ if TYPE_CHECKING:  # the names as type checkers see them
         UnsupportedOpError,
     )
     from .events import Callback, PeriodInfo
+    from .images import Preprocess
     from .model import LoadedModel
     from .pipeline import compile
     from .plan import Plan

@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from .data import CHANNEL_ORDERS, PREPROCESS_PRESETS
 from .errors import ConfigError
+from .images import CHANNEL_ORDERS, PREPROCESS_PRESETS
 
 input_shape_option = click.option(
     "--input-shape",
@@ -55,7 +55,7 @@ FROZEN_BN_MODES = ("inference", "train")
 
 
 def model_input_options(command):
-    """The model's own preprocessing (etgraph.data.Preprocess) and --frozen-bn, shared by
+    """The model's own preprocessing (etgraph.images.Preprocess) and --frozen-bn, shared by
     compile and train. None everywhere = not given (compile: the defaults; train on a compiled
     directory: the plan's)."""
     options = [

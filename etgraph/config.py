@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 from passes.onnx import DEFAULT_FROZEN_BN
 
+from .arrays import ArrayDataset
 from .artifacts import check_frozen_bn
-from .data import DEFAULT_PREPROCESS, ArrayDataset, Dataset, Preprocess, as_dataset
+from .data import Dataset, as_dataset
 from .errors import ConfigError, DataError, ProfileMismatchError
+from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance import check_importance_variant
 from .memory import check_step_fits
 from .selection import BUDGETED_STRATEGIES, STRATEGIES
@@ -64,7 +66,7 @@ class TrainConfig:
             ``"inference"`` (running statistics used and kept) or ``"train"`` (batch
             statistics; running statistics updated) — :mod:`etgraph.artifacts`.
         preprocess: the model's input normalisation for image-folder data
-            (:class:`etgraph.data.Preprocess`; the embedded digits keep their own).
+            (:class:`etgraph.images.Preprocess`; the embedded digits keep their own).
         closed_loop: re-fit the time model to the measured steps every period and select with
             the corrected model (selections then vary with the machine's timing).
         reference_budget: share of each period's elastic step time spent on full reference

@@ -78,12 +78,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .arrays import ArrayDataset
 from .artifacts import ArtifactCache, ArtifactPaths
 from .checkpoint import read_checkpoint, write_checkpoint
-from .data import ArrayDataset, Dataset, Preprocess, load_task_data
+from .data import Dataset, load_task_data
 from .errors import ConfigError
 from .files import private_temp_dir
 from .host import peak_rss_mb, release_native_memory, rss_mb
+from .images import Preprocess
 from .model import LoadedModel
 from .selection import IMPORTANCE_VARIANTS
 from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch

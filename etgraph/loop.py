@@ -24,8 +24,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import rundir
+from .arrays import ArrayDataset
 from .config import TrainConfig
-from .data import ArrayDataset, Dataset
+from .data import Dataset
 from .errors import ConfigError
 from .events import Callback, RunDirectoryLog
 from .labels import save_class_names

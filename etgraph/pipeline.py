@@ -23,9 +23,10 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from . import graph, memory_profiler, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
-from .data import DEFAULT_MODEL_PATH, DEFAULT_PREPROCESS, Preprocess, load_task_data
+from .data import DEFAULT_MODEL_PATH, load_task_data
 from .errors import ConfigError
 from .files import exclusive_lock, private_temp_dir
+from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance import probe_importance
 from .memory import MemoryProfile, check_step_fits
 from .model import LoadedModel, TensorInfo, exported_batch_hint

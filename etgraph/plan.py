@@ -15,7 +15,7 @@ A compiled directory holds::
     OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
 
 ``etgraph compile`` records the model's input normalisation (``preprocess``,
-:class:`etgraph.data.Preprocess`) and the frozen batch-norm mode (``frozen_bn``,
+:class:`etgraph.images.Preprocess`) and the frozen batch-norm mode (``frozen_bn``,
 :mod:`etgraph.artifacts`) in ``plan.json``; ``etgraph train DIR`` reuses them.
 :func:`train_settings` merges them with the command line's options: **an option given on the
 command line wins** (the user asked for it), and where it differs from the plan a warning says
@@ -41,7 +41,6 @@ from passes.onnx import DEFAULT_FROZEN_BN
 from . import timing
 from .artifacts import check_frozen_bn
 from .config import TrainConfig
-from .data import DEFAULT_PREPROCESS, Preprocess, make_preprocess
 from .errors import ConfigError, ModelError, ProfileMismatchError
 from .files import (
     atomic_target,
@@ -53,6 +52,7 @@ from .files import (
     sweep_stale_temp_dirs,
     write_json_atomic,
 )
+from .images import DEFAULT_PREPROCESS, Preprocess, make_preprocess
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .profile import Profile

@@ -43,11 +43,12 @@ import numpy as np
 from tqdm import tqdm
 
 from . import rundir
+from .arrays import ArrayDataset
 from .artifacts import ArtifactCache, lazy_initializer_values, placeholder_weights
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .clock import DeadlinePlanner, reference_steps_at
 from .config import TrainConfig, check_run_inputs, load_run_data, steps_per_epoch
-from .data import ArrayDataset, Dataset
+from .data import Dataset
 from .errors import ConfigError, DataError, TrainingDivergedError
 from .events import Callback, PeriodInfo
 from .export import export_trained

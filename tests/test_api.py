@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import etgraph
-from etgraph.data import digits_images, load_digits_arrays
+from etgraph.images import digits_images, load_digits_arrays
 
 
 def test_every_public_name_resolves_and_the_package_is_typed():

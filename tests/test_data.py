@@ -7,8 +7,9 @@ import pytest
 from PIL import Image
 
 from etgraph import data
-from etgraph.data import IMAGENET_MEAN, IMAGENET_STD, load_dataset
+from etgraph.data import load_dataset
 from etgraph.errors import DataError
+from etgraph.images import IMAGENET_MEAN, IMAGENET_STD
 
 SHAPE = (3, 32, 32)
 

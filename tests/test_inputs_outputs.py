@@ -21,7 +21,8 @@ from helpers import assert_user_error, make_model, random_initializer, run_cli_i
 from onnx import TensorProto, helper
 
 from etgraph import cli_options
-from etgraph.data import load_npz_dataset, load_task_data
+from etgraph.arrays import load_npz_dataset
+from etgraph.data import load_task_data
 from etgraph.dumps import read_graph
 from etgraph.errors import ConfigError, DataError
 from etgraph.graph import build_tensor_graph, charges

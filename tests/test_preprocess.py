@@ -14,8 +14,9 @@ from PIL import Image
 
 from etgraph import data
 from etgraph.config import TrainConfig
-from etgraph.data import PREPROCESS_PRESETS, Preprocess, load_dataset, make_preprocess
+from etgraph.data import load_dataset
 from etgraph.errors import ConfigError, EtgraphError
+from etgraph.images import PREPROCESS_PRESETS, Preprocess, make_preprocess
 from etgraph.plan import read_plan, train_settings
 
 #: One known pixel (R, G, B) in 0-255, the whole image that colour.

@@ -477,7 +477,8 @@ def _image(mode: str) -> tuple[Image.Image, str, np.ndarray, float]:
     "mode", ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "LAB", "I;16", "I", "F", "F255"]
 )
 def test_every_image_mode_decodes_to_its_picture(mode, tmp_path):
-    from etgraph.data import load_image_folder, make_preprocess
+    from etgraph.data import load_image_folder
+    from etgraph.images import make_preprocess
 
     img, suffix, expected, tolerance = _image(mode)
     (tmp_path / "a").mkdir()

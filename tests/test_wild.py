@@ -523,7 +523,7 @@ class ChannelsLast(torch.nn.Module):
 
 
 def test_image_layout():
-    from etgraph.data import image_layout
+    from etgraph.images import image_layout
 
     assert image_layout((96, 96, 3)) == "NHWC" and image_layout((28, 28, 1)) == "NHWC"
     assert image_layout((3, 96, 96)) == "NCHW" and image_layout((3, 3, 3)) == "NCHW"
