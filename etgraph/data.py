@@ -16,19 +16,19 @@ Two image sources, one :class:`Dataset` interface:
 - **image folders**: a directory with one sub-folder per class (the layout CUB-200,
   Oxford-IIIT Pet and Stanford Dogs unpack to). Images are decoded with Pillow at batch time
   (the paper counts on-device pre-processing as training time, §8), converted to RGB (or grey)
-  from any mode Pillow opens (:func:`etgraph.images.pixels`: 16-bit and float pictures scaled to 0-255,
-  alpha dropped), resized to H x W (bilinear) and normalised as the model expects
-  (:class:`etgraph.images.Preprocess`: a preset — ``imagenet`` by default, ``caffe``, ``paddle``, ``none`` —
-  with per-field overrides of mean, std, scale and channel order); training batches are
-  randomly flipped left-right (paper §8: "random flipping").
+  from any mode Pillow opens (:func:`etgraph.images.pixels`: 16-bit and float pictures scaled
+  to 0-255, alpha dropped), resized to H x W (bilinear) and normalised as the model expects
+  (:class:`etgraph.images.Preprocess`: a preset — ``imagenet`` by default, ``caffe``,
+  ``paddle``, ``none`` — with per-field overrides of mean, std, scale and channel order);
+  training batches are randomly flipped left-right (paper §8: "random flipping").
 
 The train/validation split is stratified per class and fixed by ``seed``.
 
-For models of any inputs, **arrays** (``--data FILE.npz``, :func:`etgraph.arrays.load_npz_dataset`): one array
-per model input keyed by input name plus ``labels`` (class indices for cross-entropy, float
-targets for MSE); for token models, **text** (``--data FILE.csv|FILE.jsonl --tokenizer
-tokenizer.json``, :func:`etgraph.arrays.load_text_dataset`). :func:`load_task_data` picks
-the loader for a model.
+For models of any inputs, **arrays** (``--data FILE.npz``,
+:func:`etgraph.arrays.load_npz_dataset`): one array per model input keyed by input name plus
+``labels`` (class indices for cross-entropy, float targets for MSE); for token models, **text**
+(``--data FILE.csv|FILE.jsonl --tokenizer tokenizer.json``,
+:func:`etgraph.arrays.load_text_dataset`). :func:`load_task_data` picks the loader for a model.
 """
 
 from __future__ import annotations
