@@ -67,6 +67,20 @@ from etgraph.model import LoadedModel  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 VARIANTS = ("adam", "first-step", "grad-sq", "random")
+#: Per-epoch log fields kept with each run (the selection's time budget: how the closed loop's
+#: fit moved it, and what was measured).
+EPOCH_FIELDS = (
+    "rho_requested",
+    "rho_predicted",
+    "predicted_step_us",
+    "fit_scale",
+    "fit_fixed_us",
+    "median_step_us",
+    "reference_step_us",
+    "rho_measured",
+    "rho_measured_cpu",
+    "wall_time_s",
+)
 #: Head learning-rate multiplier of the ``@head10`` runs.
 HEAD_SCALE = 10.0
 
@@ -249,6 +263,7 @@ def ablation(args) -> list[dict]:
                         overheads=_overheads(log, res),
                         selections=[e["selection"] for e in log],
                         val_acc_per_epoch=[e["val_acc"] for e in log],
+                        epochs=[{k: e.get(k) for k in EPOCH_FIELDS} for e in log],
                     )
                 )
                 shutil.rmtree(out, ignore_errors=True)

@@ -550,11 +550,11 @@ def compile_command(
 )
 @click.option(
     "--importance",
-    default="first-step",
+    default="adam",
     show_default=True,
     type=click.Choice(IMPORTANCE_VARIANTS),
-    help="delta_w of the tensor importance: AdamW's first step (first-step), the optimizer's "
-    "next step with the run's moments (adam), an SGD step (grad-sq), or random (ablations).",
+    help="delta_w of the tensor importance: the optimizer's next step with the run's moments "
+    "(adam), AdamW's first step (first-step), an SGD step (grad-sq), or random (ablations).",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
 @click.option(

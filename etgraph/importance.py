@@ -18,25 +18,22 @@ run's global step count + 1; ORT keeps one optimizer group) with the probe gradi
     m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2
     w1 = w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m' / (sqrt(v') + eps),   w2 = w1 - lr * wd * w1
 
-* ``"adam"`` — delta_w = ``w2 - w``, the step the run's optimizer takes next
+* ``"adam"`` (default) — delta_w = ``w2 - w``, the step the run's optimizer takes next
   (:func:`adamw_step`): a tensor that trained in the last period with the moments ``m, v`` the
   run carries (:class:`etgraph.checkpoint.CarriedState`); a tensor that did not with zero
   moments at the run's step count — exactly what the loop starts a newly selected tensor
   from. At the first period (no moments, ``t = 1``) this is ``"first-step"``. A tensor whose
   momentum disagrees with the probe gradient scores low or negative; one whose gradient is
   noisy scores by its signal-to-noise ratio (``|m| / sqrt(v)``), not by its size alone. It
-  predicts the probe batch's one-step loss drop per tensor within 1% (median; issue 30's
-  ``benchmarks/importance_proxy.py``), but one probe batch late in a run is mostly gradient
-  noise: many trained tensors then score <= 0, the DP spends only part of the budget (one
-  tensor in a MobileNetV2 period, docs/results.md "Quality ablation"), so it is not the
-  default.
-* ``"first-step"`` (default) — AdamW's first step from zero moments at ``t = 1`` for every
+  predicts each tensor's one-step loss drop on the probe batch within 1% (median) and ranks
+  the tensors by their drop on another batch best of the variants (issue 30's
+  ``benchmarks/importance_proxy.py``, docs/results.md "Quality ablation").
+* ``"first-step"`` — AdamW's first step from zero moments at ``t = 1`` for every
   tensor (the rule before issue 30), ``delta_w = -lr * (g / (|g| + eps_eff) + weight_decay *
   w)`` with ``eps_eff = eps / sqrt(1 - b2)`` ~= 3.2e-5, hence ``I_k ~= lr * ||g_k||_1``: every
   weight moves by ``lr`` whatever the run has learned about its gradient, so the score grows
-  with the tensor's size and is never below 0 but by the weight-decay term: the DP fills the
-  budget. It over-scores tensors that trained relative to those that did not (4.9x vs 2.0x
-  their one-step loss drop, MobileNetV2).
+  with the tensor's size. It over-scores the tensors that trained more than the others (4.9x
+  vs 2.0x their one-step loss drop on MobileNetV2).
 * ``"grad-sq"`` — an SGD step, ``delta_w = -lr * (g + weight_decay * w)``, ``I_k ~= lr *
   ||g_k||^2`` (the loss drop of an optimizer the run does not train with; a baseline).
 * ``"random"`` — ``I_k`` uniform in (0, 1], drawn from the period's probe seed, no gradients
@@ -399,7 +396,7 @@ class ImportanceEvaluator:
         input_names: Sequence[str] = (),
         chunks: Sequence[Sequence[int]] | None = None,
         config: OrtConfig | None = None,
-        variant: str = "first-step",
+        variant: str = "adam",
     ):
         self.variant = check_importance_variant(variant)
         self.threads = threads

@@ -233,8 +233,8 @@ class TrainConfig:
             ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
             probe would hold two all-trainable sessions at once).
         importance: which update defines delta_w in the importance (``elastic``, ``topk``;
-            :data:`etgraph.importance.IMPORTANCE_VARIANTS`): ``"first-step"`` (AdamW's first
-            step from zero moments), ``"adam"`` (the optimizer's next step with the run's
+            :data:`etgraph.importance.IMPORTANCE_VARIANTS`): ``"adam"`` (the optimizer's next
+            step with the run's moments), ``"first-step"`` (AdamW's first step from zero
             moments), ``"grad-sq"`` or ``"random"``.
     """
 
@@ -261,7 +261,7 @@ class TrainConfig:
     deadline_s: float | None = None
     memory_mb: float | None = None
     spinning: str = "auto"
-    importance: str = "first-step"
+    importance: str = "adam"
 
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
