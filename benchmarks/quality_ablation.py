@@ -286,7 +286,7 @@ def _pm(values, fmt="{:.3f}") -> str:
     if not values:
         return "-"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{fmt.format(statistics.mean(values))} ± {fmt.format(sd)}"
+    return f"{fmt.format(statistics.mean(values))} ± {fmt.replace('+', '').format(sd)}"
 
 
 def summarize(runs: list[dict]) -> dict:
