@@ -1,6 +1,7 @@
 """How far each importance proxy is from the loss change it predicts, per tensor (issue 30).
 
     python benchmarks/importance_proxy.py [--task vision|text] [--warm-steps 20] [--sample 24]
+                                          [--suffix _62steps]
 
 The model of :mod:`benchmarks.quality_ablation` (dropout set to 0, so a loss is a deterministic
 function of the weights and the batch; batch norms in training mode as trained) is first
@@ -182,6 +183,10 @@ def measure(args) -> dict:
             spearman_probe=_spearman([r[v] for r in rows], probe_drop),
             spearman_other=_spearman([r[v] for r in rows], other_drop),
             sum_all=float(proxies[v].sum()),
+            non_positive=int((proxies[v] <= 0).sum()),
+            non_positive_trained=int(
+                sum(proxies[v][k] <= 0 for k, n in enumerate(names) if n in carried.moments)
+            ),
         )
         for v in VARIANTS
     }
@@ -198,7 +203,8 @@ def measure(args) -> dict:
         rows=rows,
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"importance_proxy_{args.task}.json").write_text(json.dumps(out, indent=2))
+    name = f"importance_proxy_{args.task}{args.suffix}.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=2))
 
     header = ("k", "tensor", "params", "moments", "actual probe", "actual other", "adam",
               "adam/act", "first-step", "grad-sq")  # fmt: skip
@@ -222,7 +228,9 @@ def measure(args) -> dict:
     for v, s in summary.items():
         print(
             f"  {v:10}: Spearman with the actual drop {s['spearman_probe']:+.2f} (probe batch), "
-            f"{s['spearman_other']:+.2f} (other batch)"
+            f"{s['spearman_other']:+.2f} (other batch); {s['non_positive']} of {len(names)} "
+            f"tensors score <= 0 ({s['non_positive_trained']} of the {len(carried.moments)} "
+            "with moments)"
         )
     return out
 
@@ -234,6 +242,7 @@ def main() -> None:
     ap.add_argument("--task", choices=["vision", "text"], default="vision")
     ap.add_argument("--warm-steps", type=int, default=20)
     ap.add_argument("--sample", type=int, default=24)
+    ap.add_argument("--suffix", default="", help="results file suffix")
     measure(ap.parse_args())
 
 

@@ -66,7 +66,7 @@ STARTED = time.perf_counter() - process_age_s()
     show_default=True,
     type=click.Choice(IMPORTANCE_VARIANTS),
     help="delta_w of the tensor importance: the optimizer's next step with the run's moments "
-    "(adam), AdamW's first step, an SGD step (grad-sq), or random (an ablation).",
+    "(adam), AdamW's first step (first-step), an SGD step (grad-sq), or random (ablations).",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
 @click.option(

@@ -86,7 +86,8 @@ class TrainConfig:
             probe would hold two all-trainable sessions at once).
         importance: which update defines delta_w in the importance (``elastic``, ``topk``;
             :data:`etgraph.selection.IMPORTANCE_VARIANTS`): ``"adam"`` (the optimizer's next
-            step with the run's moments), ``"first-step"``, ``"grad-sq"`` or ``"random"``.
+            step with the run's moments), ``"first-step"`` (AdamW's first step from zero
+            moments), ``"grad-sq"`` or ``"random"``.
     """
 
     epochs: int = 12

@@ -96,8 +96,8 @@ BUDGETED_STRATEGIES = ("elastic", "topk", "prefix")
 #: Strategies whose selection needs fresh importance every period.
 IMPORTANCE_STRATEGIES = frozenset({"elastic", "topk"})
 #: How the importance those strategies select by defines delta_w (:mod:`etgraph.importance`):
-#: the optimizer's next step (default), AdamW's first step from zero moments, an SGD step, or
-#: no gradients at all (random importance, an ablation baseline).
+#: the optimizer's next step (the default), AdamW's first step from zero moments, an SGD step,
+#: or no gradients at all (random importance, an ablation baseline).
 IMPORTANCE_VARIANTS = ("adam", "first-step", "grad-sq", "random")
 
 
