@@ -18,7 +18,9 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
    a Cast to its own type, a reshape keeping ``[B, K]``) taken off, so a head before them is
    seen;
 8. :class:`RemoveSoftmaxHeadPass` — a trailing Softmax/LogSoftmax taken off (the loss needs
-   logits), recorded in the metadata and restored on export (:class:`RestoreHeadPass`);
+   logits), recorded in the metadata and restored on export (:class:`RestoreHeadPass`); then
+   :class:`DropOutputNoOpsPass` again, for no-ops before the head (paddle2onnx's Identity), so
+   a legalised model legalises to itself;
 9. :class:`FlattenClassOutputPass` — an output ``[B, K, 1, 1]`` (1x1-conv classifiers) flattened
    to ``[B, K]``, recorded and restored likewise;
 10. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
@@ -158,6 +160,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             SelectOutputPass(source, output),
             DropOutputNoOpsPass(),
             RemoveSoftmaxHeadPass(),
+            DropOutputNoOpsPass(),  # those before the head (paddle2onnx: Identity -> Softmax)
             FlattenClassOutputPass(),
             FreeBatchDimPass(),
             NameNodesPass(),
