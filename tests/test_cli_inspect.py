@@ -73,7 +73,7 @@ def test_inspect_passes_prints_the_pipeline():
         "4. EmbeddingPass",
         "5. NonTrainablePass",
     ]
-    assert "18. RefuseNoGradOpsPass: " in sections[0]
+    assert "23. RefuseNoGradOpsPass: " in sections[0]
     assert "1. TrimEvalBatchNormPass: " in sections[1]
 
 
