@@ -34,7 +34,7 @@ from passes.onnx import HEAD_KEY
 from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from . import onnx_io
-from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
+from .errors import ConfigError, ModelError, NativeCrashError, UnsupportedOpError, first_line
 from .exporters import exporter_of, remedy
 from .ops import FLOAT_TYPES, data_path_values, op_rule
 
@@ -582,7 +582,11 @@ def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[Non
         yield
     except ModelError as exc:
         exported = exported_batch(model)
-        if exported is None or exported == batch_size or isinstance(exc, UnsupportedOpError):
+        if (
+            exported is None
+            or exported == batch_size
+            or isinstance(exc, (UnsupportedOpError, NativeCrashError))
+        ):
             raise
         cause = first_line(exc.__cause__ or exc)
         if len(cause) > 160:  # ORT's C++ signature first: its end says what failed
