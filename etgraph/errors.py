@@ -30,6 +30,11 @@ class UnsupportedOpError(ModelError):
     """An op in the model has no gradient in onnxruntime-training 1.19.2."""
 
 
+class NativeCrashError(ModelError):
+    """ONNX Runtime crashed (a signal, not an exception) running a session of the model, in the
+    child process :func:`etgraph.sessions.check_sessions` runs its first steps in."""
+
+
 class ConfigError(EtgraphError):
     """A setting is out of range or malformed (rho, batch size, input shape, paths)."""
 

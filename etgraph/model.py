@@ -34,7 +34,7 @@ from passes.onnx import HEAD_KEY
 from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from . import onnx_io
-from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
+from .errors import ConfigError, ModelError, NativeCrashError, UnsupportedOpError, first_line
 from .exporters import exporter_of, remedy
 from .ops import FLOAT_TYPES, data_path_values, op_rule
 
@@ -510,8 +510,9 @@ class Task:
         return {"loss": self.loss, "output": self.output, "width": self.width}
 
 
-def task_of(model: onnx.ModelProto, loss: str = "ce") -> Task:
-    """The :class:`Task` of training ``model``'s (only) output with ``loss``.
+def task_of(model: onnx.ModelProto, loss: str = "ce", source: str | None = None) -> Task:
+    """The :class:`Task` of training ``model``'s (only) output with ``loss``; ``source`` (the
+    model's path) shapes what an error says to do (:func:`etgraph.exporters.remedy`).
 
     Raises:
         ConfigError: ``loss`` is not one of :data:`LOSSES`.
@@ -522,11 +523,17 @@ def task_of(model: onnx.ModelProto, loss: str = "ce") -> Task:
         raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
     output = model.graph.output[0]
     elem_type = output.type.tensor_type.elem_type
+
+    def fix(what: str, torch: str | None = None, needed: str | None = None) -> str:
+        return remedy(
+            what, producer_name=model.producer_name, source=source, torch=torch, needed=needed
+        )
+
     if elem_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.UNDEFINED):
         raise ModelError(
             f"output {output.name!r} is {onnx.TensorProto.DataType.Name(elem_type).lower()}; "
-            "onnxruntime-training 1.19.2 trains float32 models: export the model in float32 "
-            "(torch: model.float())"
+            "onnxruntime-training 1.19.2 trains float32 models: "
+            + fix("convert it to float32", torch="model.float()", needed="float32 weights")
         )
     dims = output.type.tensor_type.shape.dim
     if output.type.tensor_type.HasField("shape") and len(dims) != 2:
@@ -535,17 +542,23 @@ def task_of(model: onnx.ModelProto, loss: str = "ce") -> Task:
             raise ModelError(
                 f"output {output.name!r} has shape {shown}: a label per position (token "
                 "classification) is not supported; etgraph trains one label per example, from "
-                "[B, K] logits: pool over the sequence (mean or the first token) and re-export"
+                "[B, K] logits: "
+                + fix(
+                    "pool over the sequence (mean or the first token)",
+                    needed="a loss over positions (per-token or CTC)",
+                )
             )
-        if loss == "ce":
-            raise ModelError(
-                f"output {output.name!r} has shape {shown}; etgraph trains classifiers whose "
-                "output is [B, K] logits: end the model with Flatten (or Reshape to [B, K]) and "
-                "re-export"
-            )
+        width = "K" if loss == "ce" else "D"
+        trains = {
+            "ce": "etgraph trains classifiers whose output is [B, K] logits",
+            "mse": "--loss mse trains an output [B, D]",
+        }[loss]
         raise ModelError(
-            f"output {output.name!r} has shape {shown}; --loss mse trains an output [B, D]: "
-            "end the model with Flatten (or Reshape to [B, D]) and re-export"
+            f"output {output.name!r} has shape {shown}; {trains}: "
+            + fix(
+                f"end the model with Flatten (or Reshape to [B, {width}])",
+                needed=f"an output [B, {width}]",
+            )
         )
     width = None
     if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
@@ -582,7 +595,11 @@ def exported_batch_hint(model: onnx.ModelProto, batch_size: int) -> Iterator[Non
         yield
     except ModelError as exc:
         exported = exported_batch(model)
-        if exported is None or exported == batch_size or isinstance(exc, UnsupportedOpError):
+        if (
+            exported is None
+            or exported == batch_size
+            or isinstance(exc, (UnsupportedOpError, NativeCrashError))
+        ):
             raise
         cause = first_line(exc.__cause__ or exc)
         if len(cause) > 160:  # ORT's C++ signature first: its end says what failed
@@ -772,7 +789,7 @@ class LoadedModel:
         try:
             tensors = trainable_tensors(proto)
             inputs = input_specs(proto)
-            task = task_of(proto, loss)
+            task = task_of(proto, loss, str(source))
         except ModelError as exc:
             raise ModelError(f"{source}: {exc}") from None
         return cls(

@@ -148,15 +148,16 @@ class PeriodController:
         self._evaluator: ImportanceEvaluator | None = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self._startup_peak_mb: float | None = None
-        check_sessions(  # a native crash of ORT on this model: one line (once per model)
-            model,
-            config.batch_size,
-            model.input_shapes(profile.input_shapes),
-            threads=threads,
-            frozen_bn=config.frozen_bn,
-            cache=cache,
-            record_dir=default_cache_dir(),
-        )
+        if config.memory_mb is None:  # a native crash of ORT: one line (once per model; under
+            check_sessions(  # a budget the profile's check stands: no all-trainable weights)
+                model,
+                config.batch_size,
+                model.input_shapes(profile.input_shapes),
+                threads=threads,
+                frozen_bn=config.frozen_bn,
+                cache=cache,
+                record_dir=default_cache_dir(),
+            )
 
     @property
     def bounded(self) -> bool:

@@ -46,7 +46,7 @@ from onnxruntime.training import api
 
 from .artifacts import ArtifactCache, bake_frozen
 from .checkpoint import checkpoint_target, read_checkpoint
-from .errors import ModelError
+from .errors import ModelError, NativeCrashError
 from .files import private_temp_dir, write_atomic
 from .host import usable_threads
 from .model import LoadedModel, random_batch
@@ -696,10 +696,6 @@ def choose_train_config(
 
 
 # ---- the first steps of a model's sessions, in a child process (issue 27) --------------------
-
-
-class NativeCrashError(ModelError):
-    """ONNX Runtime crashed (a signal, not an exception) running a session of the model."""
 
 
 #: Seconds the isolated first steps may take; past it the child is stopped and the command goes

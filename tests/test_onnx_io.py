@@ -715,6 +715,7 @@ def test_pipeline_order_can_be_printed():
         "SelectOutputPass",
         "DropOutputNoOpsPass",
         "RemoveSoftmaxHeadPass",
+        "DropOutputNoOpsPass",
         "FlattenClassOutputPass",
         "FreeBatchDimPass",
         "NameNodesPass",

@@ -72,15 +72,19 @@ class DataLengthPositions(torch.nn.Module):
 
 
 @pytest.mark.slow
-def test_native_crash_is_one_line(tmp_path, cache_env):
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_native_crash_is_one_line(tmp_path, cache_env, dynamic):
+    """Exported with a dynamic batch, or at batch 2 (the crash is not mistaken for the fixed
+    export batch's failure at batch 4)."""
     path = tmp_path / "crash.onnx"
+    axes = {"ids": {0: "b"}, "logits": {0: "b"}} if dynamic else None
     torch.onnx.export(
         DataLengthPositions().eval(),
         torch.zeros(2, SEQ_LEN, dtype=torch.long),
         str(path),
         input_names=["ids"],
         output_names=["logits"],
-        dynamic_axes={"ids": {0: "b"}, "logits": {0: "b"}},
+        dynamic_axes=axes,
         opset_version=17,
         dynamo=False,
     )
@@ -589,3 +593,32 @@ def test_remedy_follows_the_exporter_and_the_package():
         "the model ships in the package 'rapidocr_onnxruntime' and cannot be re-exported: "
         "etgraph would need a rewrite of X to train it"
     )
+
+
+def test_no_op_before_the_head_is_dropped_so_legalisation_is_idempotent(tmp_path):
+    """paddle2onnx ends a classifier ``Add -> Identity -> Softmax``: once the Softmax is off,
+    the Identity ends the output; it is dropped then too, or the compiled model.onnx would
+    legalise into another graph (another hash: ``train DIR`` refused its own profile)."""
+    from onnx import TensorProto, helper
+
+    from etgraph.onnx_io import legalize, model_hash
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="matmul"),
+        helper.make_node("Add", ["mm", "b"], ["logits"], name="add"),
+        helper.make_node("Identity", ["logits"], ["kept"], name="scale"),
+        helper.make_node("Softmax", ["kept"], ["probs"], name="softmax", axis=1),
+    ]
+    inits = [
+        onnx.numpy_helper.from_array(np.ones((8, 3), np.float32), "w"),
+        onnx.numpy_helper.from_array(np.zeros(3, np.float32), "b"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", 3])], initializer=inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    once = legalize(model)
+    assert [n.op_type for n in once.graph.node] == ["MatMul", "Add"]
+    assert model_hash(legalize(once)) == model_hash(once)

@@ -19,28 +19,30 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
    seen;
 8. :class:`RemoveSoftmaxHeadPass` — a trailing Softmax/LogSoftmax taken off (the loss needs
    logits), recorded in the metadata and restored on export (:class:`RestoreHeadPass`);
-9. :class:`FlattenClassOutputPass` — an output ``[B, K, 1, 1]`` (1x1-conv classifiers) flattened
+9. :class:`DropOutputNoOpsPass` again, for no-ops before the head (paddle2onnx's Identity), so
+   a legalised model legalises to itself;
+10. :class:`FlattenClassOutputPass` — an output ``[B, K, 1, 1]`` (1x1-conv classifiers) flattened
    to ``[B, K]``, recorded and restored likewise;
-10. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
-11. :class:`NameNodesPass` — every node a unique non-empty name;
-12. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
-13. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
+11. :class:`FreeBatchDimPass` — a batch dimension fixed at export becomes symbolic;
+12. :class:`NameNodesPass` — every node a unique non-empty name;
+13. :class:`AddOptionalOutputsPass` — LayerNormalization Mean/InvStdDev, Dropout mask;
+14. :class:`TrainableBatchNormPass` — inference BatchNormalization in training mode, with its
     running mean/var outputs;
-14. :class:`IsolateInputNormPass` — a graph input read by a normalisation layer and other
+15. :class:`IsolateInputNormPass` — a graph input read by a normalisation layer and other
     nodes reaches the normalisation layer through an Identity (ORT's BatchNormalizationGrad
     would define ``<input>_grad`` twice);
-15. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
+16. :class:`RewriteActivationsPass` — HardSwish, HardSigmoid, Elu, Selu, Celu, PRelu -> ops
     with gradients (Add/Sub/Mul/Div/Clip/Relu/Neg/Exp);
-16. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
+17. :class:`RewriteAveragePoolPass` — AveragePool -> depthwise Conv with a constant kernel
     (ORT's AveragePoolGrad fails at a symbolic batch);
-17. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
-18. :class:`RewriteGlobalMaxPass` — GlobalMaxPool, spatial ReduceMax -> MaxPool over the whole
+18. :class:`RewriteLrnPass` — LRN -> Mul, channel-window Conv, Add, Pow, Div;
+19. :class:`RewriteGlobalMaxPass` — GlobalMaxPool, spatial ReduceMax -> MaxPool over the whole
     spatial window;
-19. :class:`RewriteNearestResizePass` — nearest Resize/Upsample by integer scales -> Reshape,
+20. :class:`RewriteNearestResizePass` — nearest Resize/Upsample by integer scales -> Reshape,
     Expand, Reshape;
-20. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
-21. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
-22. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+21. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
+22. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
+23. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
 :func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
@@ -158,6 +160,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             SelectOutputPass(source, output),
             DropOutputNoOpsPass(),
             RemoveSoftmaxHeadPass(),
+            DropOutputNoOpsPass(),  # those before the head (paddle2onnx: Identity -> Softmax)
             FlattenClassOutputPass(),
             FreeBatchDimPass(),
             NameNodesPass(),
