@@ -248,6 +248,10 @@ def staged_directory(path: str | os.PathLike, names: Iterable[str], marker: str)
         shutil.rmtree(stage, ignore_errors=True)
 
 
+#: The lock files this process holds (real path -> nesting depth): :func:`exclusive_lock`.
+_HELD: dict[str, int] = {}
+
+
 @contextlib.contextmanager
 def exclusive_lock(directory: str | os.PathLike, option: str) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` for the block: ``fcntl.flock`` on its
@@ -255,10 +259,21 @@ def exclusive_lock(directory: str | os.PathLike, option: str) -> Iterator[None]:
     second etgraph process is refused; the lock goes with the process however it ends (a file
     left by a kill is locked again by the next process).
 
+    The lock is reentrant within a process: a block nested in one that holds it (an API call
+    inside a command holding its directory) holds it too.
+
     Raises:
         ConfigError: another process holds it (the message names its pid and ``option``).
     """
     lock = Path(directory) / LOCK_FILE
+    key = os.path.realpath(lock)
+    if key in _HELD:  # this process holds it already
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
@@ -274,11 +289,13 @@ def exclusive_lock(directory: str | os.PathLike, option: str) -> Iterator[None]:
             if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
                 break  # the file still there, not one its last holder removed meanwhile
         os.close(fd)
+    _HELD[key] = 1
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        del _HELD[key]
         with contextlib.suppress(OSError):
             lock.unlink()  # while still locked: a waiting process then sees it gone
         os.close(fd)

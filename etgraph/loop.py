@@ -92,7 +92,8 @@ def train(
         started_at=started_at,
     )
     del model  # under a memory budget the weights are in the file now
-    return trainer.fit()
+    with trainer:
+        return trainer.fit()
 
 
 @locked(new=False)
@@ -105,7 +106,8 @@ def resume(
     Raises:
         As :meth:`ElasticTrainer.resume` and :meth:`ElasticTrainer.fit`.
     """
-    return ElasticTrainer.resume(out_dir, progress=progress, epochs=epochs).fit()
+    with resume_trainer(out_dir, progress=progress, epochs=epochs) as trainer:
+        return trainer.fit()
 
 
 # ---- the run directory around a trainer -------------------------------------------------------

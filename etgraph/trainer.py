@@ -11,14 +11,9 @@ deadline; :mod:`etgraph.ort_probe` chooses the sessions' options. At a period's 
 (weights, AdamW moments, step) is saved to a checkpoint.
 
 **The run directory is optional.** With ``out_dir`` the run writes what ``etgraph train``
-writes (:mod:`etgraph.rundir`: ``run.json``, ``log.jsonl``, a checkpoint after every period,
-``model_trained.onnx``, plots, ``summary.json``) and can be resumed after a kill
-(:meth:`ElasticTrainer.resume`); without it everything lives in a private temporary directory
-removed by :meth:`ElasticTrainer.close` (or the ``with`` block's end).
-
-The optimizer (AdamW, cosine decay; :class:`etgraph.config.TrainConfig`) and the run under a
-memory budget (``memory_mb``: one heavy thing alive at a time, the state always through a file,
-no full reference steps) are described in docs/architecture.md, "The training loop".
+writes (:mod:`etgraph.rundir`, under its lock) and can be resumed after a kill; without it
+everything lives in a private temporary directory removed by :meth:`ElasticTrainer.close`.
+The optimizer and the run under a memory budget: docs/architecture.md, "The training loop".
 
 **Determinism.** All randomness derives from the run seed: epoch ``e`` shuffles with
 ``seed * 1000 + e``, period ``p`` probes with ``seed * 1000 + 100_000 + p``. Same seed, same data
@@ -28,6 +23,7 @@ times); a resumed run continues exactly as the uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -42,17 +38,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import rundir
-from .arrays import ArrayDataset
+from . import files, rundir
 from .artifacts import ArtifactCache, lazy_initializer_values, placeholder_weights
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .clock import DeadlinePlanner, reference_steps_at
 from .config import TrainConfig, check_run_inputs, load_run_data, steps_per_epoch
-from .data import Dataset
 from .errors import ConfigError, DataError, TrainingDivergedError
 from .events import Callback, PeriodInfo
 from .export import export_trained
-from .files import private_temp_dir
 from .host import (
     freeze_gc,
     limit_heap_retention,
@@ -135,9 +128,13 @@ class ElasticTrainer:
         self.progress = progress
         self.callbacks = list(callbacks)
         self.out = Path(out_dir) if out_dir is not None else None
+        self._lock = contextlib.ExitStack()  # one process per run directory: its lock, held
+        if self.out is not None:
+            files.ensure_writable_dir(self.out, "--out")
+            self._lock.enter_context(files.exclusive_lock(self.out, "--out"))
         if self.out is not None and not resuming:
             rundir.prepare_run_dir(self.out)
-        self._tmp = None if self.out is not None else private_temp_dir("train")
+        self._tmp = None if self.out is not None else files.private_temp_dir("train")
         self.work_dir = self.out / rundir.SESSION_DIR if self._tmp is None else Path(self._tmp.name)
         self.source_model = model
         self.bounded = config.memory_mb is not None
@@ -152,7 +149,7 @@ class ElasticTrainer:
         self.profile = profile.for_frozen_bn(config.frozen_bn)  # the run's batch-norm mode
         self.memory_profile = memory_profile
         self.threads = config.threads if config.threads is not None else profile.threads
-        self.dataset: Dataset | ArrayDataset = self._load_data(data, val_data=val_data)
+        self.dataset = load_run_data(config, model, self.input_shapes, data, val_data=val_data)
         self.steps_per_epoch = steps_per_epoch(self.dataset, config)
         self.total_steps = self.steps_per_epoch * config.epochs
         root = artifacts_root or (
@@ -608,7 +605,8 @@ class ElasticTrainer:
         cfg = self.config
         batches = self.val_batches()
         if data is not None:
-            batches = self._load_data(data, all_val=True).val_batches(cfg.batch_size)
+            held = load_run_data(cfg, self.model, self.input_shapes, data, all_val=True)
+            batches = held.val_batches(cfg.batch_size)
         if self._mask is None:  # nothing selected yet: the output layer's (cheapest) session
             self._mask = self._cheapest_mask()
         return self._ensure_session().evaluate(batches, cfg.batch_size)
@@ -665,9 +663,6 @@ class ElasticTrainer:
 
     # -- data -----------------------------------------------------------------------------------
 
-    def _load_data(self, data, **kwargs) -> Dataset | ArrayDataset:
-        return load_run_data(self.config, self.model, self.input_shapes, data, **kwargs)
-
     def val_batches(self) -> Iterator:
         """The validation batches (at most ``config.max_val_batches``)."""
         batches = self.dataset.val_batches(self.config.batch_size)
@@ -682,10 +677,12 @@ class ElasticTrainer:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the ORT sessions and remove the private temporary directory (a run without
-        a run directory). The trainer cannot train after it."""
+        """Release the ORT sessions and the run directory's lock, and remove the private
+        temporary directory (a run without a run directory). The trainer cannot train after
+        it."""
         self._session = None
         self.controller.close()
+        self._lock.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -695,6 +692,6 @@ class ElasticTrainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):  # a TemporaryDirectory cleans itself up too; not later than this
-        if getattr(self, "_tmp", None) is not None:
-            self._tmp.cleanup()
+    def __del__(self):  # the lock and the temporary directory: not later than this
+        with contextlib.suppress(Exception):
+            self.close()

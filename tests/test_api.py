@@ -200,3 +200,19 @@ def test_the_readme_python_example_runs_as_written(tmp_path, cache_env):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "period 1: training" in done.stdout and "val acc" in done.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["model_trained.onnx"]
+
+
+@pytest.mark.slow
+def test_a_trainer_with_a_run_directory_holds_its_lock(tmp_path, default_model, default_profile):
+    """A program's trainer owns its run directory like `etgraph train` does: another process is
+    refused (naming this pid) until the trainer is closed."""
+    from helpers import assert_user_error, run_cli
+
+    prof, path = default_profile
+    out = tmp_path / "run"
+    config = etgraph.TrainConfig(epochs=1, period=1, rho=0.6, max_steps_per_epoch=4)
+    trainer = etgraph.ElasticTrainer(default_model, prof, config, out_dir=out)
+    done = run_cli("train", "--out", out, "--profile", path, "--epochs", "1")
+    assert_user_error(done, f"pid {os.getpid()}", "in use by another etgraph process")
+    trainer.close()
+    assert not (out / ".etgraph-lock").exists()
