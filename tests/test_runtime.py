@@ -515,7 +515,9 @@ def test_divergence_stops_at_the_first_non_finite_loss(tmp_path, default_profile
     """--lr 1e4 (issue #14): the run stops at the first NaN/inf loss with one line that names
     epoch and step and suggests a lower --lr (here in the first epoch: no checkpoint yet)."""
     prof, _ = default_profile
-    config = TrainConfig(epochs=4, period=1, rho=1.0, learning_rate=1e4, **QUICK)
+    # full training: at lr 1e4 the optimizer's own next step (importance "adam") would raise
+    # every tensor's loss (AdamW's decay then flips the weights), and the DP would train one
+    config = TrainConfig(epochs=4, strategy="full", learning_rate=1e4, **QUICK)
     out = tmp_path / "run"
     with pytest.raises(TrainingDivergedError, match=r"^training diverged: the loss is") as info:
         train(default_model, prof, config, out, progress=False)
