@@ -259,11 +259,12 @@ def test_a_second_run_in_the_same_directory_is_refused(cli, default_profile, cac
         first.communicate()
 
 
-def test_a_second_compile_into_the_same_directory_is_refused(cli, compiled):
+def test_a_second_compile_into_the_same_directory_is_refused(cache_env, compiled):
+    """This process holds the directory; another etgraph process is refused, naming it."""
     from etgraph.files import exclusive_lock
 
     with exclusive_lock(compiled, "-o"):
-        done = cli("compile", "-o", compiled, "--repeats", "1")
+        done = run_cli("compile", "-o", compiled, "--repeats", "1", env=cache_env)
     assert_user_error(done, f"pid {os.getpid()}", "-o")
 
 
