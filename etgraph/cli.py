@@ -877,3 +877,9 @@ def _train_model(model, plan, opts: dict):
                 f"{remedy}"
             )
     return loaded, profile
+
+
+# [federate] (the command lives in etgraph.federated.cli; Flower is imported when it runs)
+from .federated.cli import federate_command  # noqa: E402
+
+cli.add_command(federate_command)

@@ -19,7 +19,7 @@ A round (:meth:`FederatedClient.train_round`), all on the device's virtual clock
 
 The device's trainer is kept between rounds (a Flower ``ClientApp`` is called once per
 message; the Ray worker that runs it lives on); its one-time setup (model, profile, trainer, a
-measured full step) is not part of any round.
+measured full step, a calibration of a round's fixed costs) is not part of any round.
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ __all__ = ["FederatedClient", "RoundResult", "client_for"]
 
 #: The share of the deadline a client plans to use (the rest absorbs its estimates' error).
 DEADLINE_TARGET = 0.97
-#: A round's fixed costs before the first round has measured them, in full steps (importance
-#: ~1, a new selection's session ~10-20 on the default model).
-INITIAL_FIXED_STEPS = 20.0
 #: Wall seconds a ``hang`` fault sleeps beyond the server's round timeout.
 HANG_EXTRA_S = 5.0
 #: How much slower than planned a ``late`` fault runs.
@@ -88,15 +85,18 @@ class FederatedClient:
         self.examples = data.n_train
         self.steps_per_epoch = self.trainer.steps_per_epoch
         p = self.trainer.profile
-        self.floor_rho = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
+        # the cheapest selection's rho, 2% above it as deadline mode takes it (rounding)
+        self.floor_rho = 1.02 * min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
         n = len(task.model.names)
         self.single_rho = np.array(  # training tensor k alone, as a share of a full step
             [p.predicted_step_us(np.arange(n) == k) / p.t_full_us for k in range(n)]
         )
         self.full_step_s = self._measure_full_step()  # this machine, the clock's source
         self.correction = 1.0  # measured elastic step / predicted, from the last round
-        self.fixed_s = INITIAL_FIXED_STEPS * self.full_step_s * self.speed  # virtual
-        self.end_s = 0.0
+        self.fixed_s, self.end_s = 0.0, 0.0  # a round's costs outside its steps, virtual
+        self._end_history: list[float] = []
+        if config.elastic:
+            self._calibrate()
 
     def _measure_full_step(self, steps: int = 3) -> float:
         """Median full training step (every tensor, learning rate 0) on this machine, in the
@@ -110,6 +110,30 @@ class FederatedClient:
             session.train_step(x, y, 0.0)
             times.append(clock.measured_s())
         return float(np.median(times))
+
+    def _calibrate(self, rounds: int = 2) -> None:
+        """Measure a round's costs outside its steps before the first round (set the weights,
+        the period start at the cheapest rho, the period end and the upload), as a round
+        has them: the last of ``rounds`` dry rounds, nothing trained."""
+        trainer = self.trainer
+        weights = trainer.get_weights()
+        for _ in range(rounds):
+            clock = VirtualClock(self.speed, self.config.clock)
+            trainer.set_weights(weights, reset_moments=True)
+            info = trainer.begin_period(self.floor_rho)
+            clock.discount(self._artifacts_time(info))
+            self.fixed_s = clock.elapsed_s()
+            clock.start()
+            trainer.end_period()
+            trainer.trained_weights()
+            self.end_s = clock.elapsed_s()
+        self._end_history = [self.end_s]
+        trainer.set_weights(weights, reset_moments=True)
+
+    def _artifacts_time(self, info) -> float:
+        """The period start's artifact generation, in the clock's source (taken off it)."""
+        key = "artifacts_cpu_s" if self.config.clock == "cpu" else "artifacts_s"
+        return float(info.timings.get(key, 0.0) or 0.0)
 
     def train_round(
         self,
@@ -170,10 +194,7 @@ class FederatedClient:
         if steps > 0:
             t_begin = clock.elapsed_s()
             info = trainer.begin_period(rho, importance_fn=shape_importance)
-            discounted = info.timings.get(
-                "artifacts_cpu_s" if cfg.clock == "cpu" else "artifacts_s", 0.0
-            )
-            clock.discount(discounted or 0.0)
+            clock.discount(self._artifacts_time(info))
             begin_s = clock.elapsed_s() - t_begin
             share = info.predicted_step_us / trainer.profile.t_full_us
             step_guess = full_s * share
@@ -200,7 +221,8 @@ class FederatedClient:
             self.correction *= float(np.clip(mean_step / predicted, 0.5, 2.0))
         if info is not None:
             self.fixed_s = begin_s  # next round's estimates: this round's measurements
-        self.end_s = clock.elapsed_s() - t_end
+        self._end_history = (self._end_history + [clock.elapsed_s() - t_end])[-3:]
+        self.end_s = max(self._end_history)  # the upload's cost varies: plan for the worst
         if fault == "hang":
             time.sleep((round_timeout_s or 0.0) + HANG_EXTRA_S)
         round_s = clock.elapsed_s()

@@ -120,5 +120,5 @@ def plan_round(
         return RoundPlan(1.0, steps, False)
     if rho >= floor_rho:
         return RoundPlan(float(rho), steps, False)
-    fit = max(0, int(room / (floor_rho * full_step_s))) if full_step_s > 0 else 0
+    fit = max(0, math.floor(room / (floor_rho * full_step_s) + 1e-9)) if full_step_s > 0 else 0
     return RoundPlan(float(floor_rho), min(fit, steps), True)

@@ -10,19 +10,37 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from .. import files
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from . import rundir
 from .config import FederateConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["federate", "open_run"]
+__all__ = ["federate", "open_run", "with_absolute_paths"]
+
+
+def with_absolute_paths(config: FederateConfig) -> FederateConfig:
+    """``config`` with its model, data and tokenizer paths absolute (clients run in other
+    processes, maybe other directories); a data spec that is not a path stays as it is.
+
+    Raises:
+        ModelError: the model does not exist.
+    """
+    changes = {}
+    for name in ("model", "data", "tokenizer"):
+        value = getattr(config, name)
+        if value and Path(value).exists():
+            changes[name] = str(Path(value).resolve())
+        elif value and name == "model":
+            raise ModelError(f"model {value} does not exist: pass an ONNX file or compiled dir")
+    return dataclasses.replace(config, **changes)
 
 
 @contextlib.contextmanager
@@ -74,8 +92,11 @@ def federate(
     from .task import load_task
 
     out = Path(out)
+    if config is not None and not resume:  # model, data and profile checked before any file
+        config = with_absolute_paths(config).validate()
+        load_task(config)
     with open_run(out, config, resume=resume) as config:
-        load_task(config)  # model, data and profile checked (and the profile cached) up front
+        load_task(config)  # the profile measured (and cached) before the clients load it
         result: dict = {}
         server_app = ServerApp()
 

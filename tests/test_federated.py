@@ -1,0 +1,189 @@
+"""Federated learning on Flower (issue 29): the server's per-tensor aggregation, the
+partitioner, the virtual clock and round plan, FedEL's switches (fast); a simulation end to
+end, a crashing client and a late one, and resume after a kill (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from etgraph.errors import ConfigError
+from etgraph.federated import fedel
+from etgraph.federated.aggregate import aggregate, batch_norm_pairs
+from etgraph.federated.clock import VirtualClock, plan_round
+from etgraph.federated.config import FederateConfig, parse_faults
+from etgraph.federated.partition import partition
+
+# ---- aggregation ------------------------------------------------------------------------------
+
+
+def test_each_tensor_is_averaged_over_the_clients_that_trained_it_weighted_by_examples():
+    g = {
+        "a": np.zeros(3, np.float32),
+        "b": np.ones(2, np.float32),
+        "c": np.full(1, 7.0, np.float32),
+    }
+    updates = [
+        ({"a": np.full(3, 1.0, np.float32), "b": np.full(2, 3.0, np.float32)}, 10.0),
+        ({"a": np.full(3, 4.0, np.float32)}, 30.0),
+    ]
+    new, coverage = aggregate(g, updates)
+    np.testing.assert_allclose(new["a"], (10 * 1 + 30 * 4) / 40)  # both clients, by examples
+    np.testing.assert_allclose(new["b"], 3.0)  # only the first trained it: its value, not 3/4
+    assert new["c"] is g["c"]  # nobody trained it: the global tensor is kept
+    assert new["a"].dtype == np.float32
+    assert coverage == {"a": 1.0, "b": 0.25, "c": 0.0}
+
+
+def test_full_updates_are_plain_fedavg_and_no_update_keeps_the_model():
+    rng = np.random.default_rng(0)
+    g = {"w": rng.normal(size=(4, 3)).astype(np.float32)}
+    ups = [({"w": rng.normal(size=(4, 3)).astype(np.float32)}, float(n)) for n in (1, 2, 5)]
+    new, _ = aggregate(g, ups)
+    expected = sum(u["w"] * n for u, n in ups) / 8
+    np.testing.assert_allclose(new["w"], expected, rtol=1e-6)
+    same, coverage = aggregate(g, [])
+    assert same["w"] is g["w"] and coverage["w"] == 0.0
+
+
+def test_batch_norm_variances_are_pooled_as_the_moments_of_the_union():
+    """Two clients whose data have different means: the pooled variance is the variance of
+    their union (within-client variance + the spread of the means), not the mean variance."""
+    rng = np.random.default_rng(1)
+    x1, x2 = rng.normal(0.0, 1.0, 4000), rng.normal(3.0, 2.0, 12000)
+    g = {"m": np.zeros(1, np.float32), "v": np.ones(1, np.float32)}
+    ups = [
+        ({"m": np.array([x1.mean()], np.float32), "v": np.array([x1.var()], np.float32)}, 4000.0),
+        ({"m": np.array([x2.mean()], np.float32), "v": np.array([x2.var()], np.float32)}, 12000.0),
+    ]
+    new, _ = aggregate(g, ups, {"v": "m"})
+    both = np.concatenate([x1, x2])
+    np.testing.assert_allclose(new["m"], both.mean(), rtol=1e-5)
+    np.testing.assert_allclose(new["v"], both.var(), rtol=1e-4)
+    plain, _ = aggregate(g, ups)  # without the rule: the mean of the variances, too small
+    assert plain["v"][0] < 0.8 * both.var()
+
+
+def test_batch_norm_pairs_come_from_the_model(default_model):
+    pairs = batch_norm_pairs(default_model.proto)
+    stats = set(default_model.running_stats)
+    assert pairs and set(pairs) | set(pairs.values()) == stats
+
+
+# ---- partition --------------------------------------------------------------------------------
+
+
+def test_iid_and_dirichlet_partitions_are_disjoint_complete_and_reproducible():
+    labels = np.repeat(np.arange(5), 100)
+    for scheme in ("iid", "dirichlet:0.5"):
+        parts = partition(labels, 8, scheme, seed=3, min_examples=8)
+        joined = np.concatenate(parts)
+        assert len(joined) == 500 and len(np.unique(joined)) == 500
+        assert min(len(p) for p in parts) >= 8
+        again = partition(labels, 8, scheme, seed=3, min_examples=8)
+        assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    iid = partition(labels, 5, "iid", seed=0)
+    skew = partition(labels, 5, "dirichlet:0.1", seed=0)
+
+    def classes_per_client(parts):
+        return np.mean([len(np.unique(labels[p])) for p in parts])
+
+    assert classes_per_client(iid) == 5 and classes_per_client(skew) < 4  # label skew
+
+
+def test_bad_partitions_are_one_line_errors():
+    labels = np.arange(10) % 2
+    with pytest.raises(ConfigError, match="dirichlet:ALPHA"):
+        partition(labels, 2, "dirichlet:-1")
+    with pytest.raises(ConfigError, match="fewer --clients"):
+        partition(labels, 4, "iid", min_examples=4)
+    with pytest.raises(ConfigError, match="class labels"):
+        partition(np.linspace(0, 1, 10), 2, "dirichlet:0.5")
+
+
+# ---- the virtual clock and the round plan -----------------------------------------------------
+
+
+def test_virtual_time_is_the_speed_factor_times_the_measured_time():
+    slow, fast = VirtualClock(8.0, "cpu"), VirtualClock(1.0, "cpu")
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:  # 50 ms of this thread's CPU time
+        pass
+    assert slow.elapsed_s() == pytest.approx(8 * slow.measured_s(), rel=0.01)
+    assert 0.04 < fast.measured_s() < 0.5 and slow.elapsed_s() > 7 * 0.04
+    wall = VirtualClock(2.0, "wall")
+    time.sleep(0.05)  # sleeping costs wall time, not CPU time
+    assert wall.elapsed_s() >= 0.1 and fast.measured_s() < 0.5
+    before = wall.elapsed_s()
+    wall.discount(0.02)  # artifacts compiled off the device
+    assert wall.elapsed_s() < before
+    with pytest.raises(ConfigError, match="positive"):
+        VirtualClock(0.0)
+
+
+def test_the_round_plan_spends_the_time_left_and_cuts_steps_below_the_cheapest_rho():
+    # 10 s left, 2 s of fixed costs, 100 steps of a 0.1 s full step: rho 0.8
+    plan = plan_round(left_s=10, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2)
+    assert plan.rho == pytest.approx(0.8) and plan.steps == 100 and not plan.partial
+    assert plan_round(left_s=100, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2).rho == 1
+    # 3 s: rho would be 0.1 < 0.2: the cheapest selection for the 50 steps that fit
+    plan = plan_round(left_s=3, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2)
+    assert plan.rho == 0.2 and plan.steps == 50 and plan.partial
+    assert plan_round(left_s=1, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2).steps == 0
+
+
+# ---- FedEL's switches -------------------------------------------------------------------------
+
+
+def test_the_window_moves_towards_the_input_round_by_round_and_clients_are_offset():
+    n = 16
+    ends = [fedel.window(n, 0.5, r, 0)[1] for r in range(1, 6)]
+    assert ends[0] == n and ends[1] < ends[0] and min(ends) == 8 and ends[3] == n  # wraps
+    assert fedel.window(n, 0.5, 1, 1) == fedel.window(n, 0.5, 2, 0)  # offset by one position
+    assert all(e - s == 8 for s, e in (fedel.window(n, 0.5, r, k) for r in (1, 3) for k in (0, 5)))
+
+
+def test_a_client_selects_inside_its_window_and_moves_it_to_what_it_affords():
+    imp = np.array([5.0, 4.0, 1.0, 1.0, 9.0])
+    restricted = fedel.restrict(imp, (1, 3))
+    assert restricted[1] == 4 and restricted[2] == 1
+    assert (restricted[[0, 3, 4]] < -imp.sum()).all()  # any selection outside loses
+    single = [0.9, 0.8, 0.6, 0.4, 0.3]  # rho of training tensor k alone
+    assert fedel.affordable_window((0, 2), 0.65, single) == (1, 3)
+    assert fedel.affordable_window((0, 2), 0.2, single) == (3, 5)  # as far as the output end
+
+
+def test_global_importance_blends_normalised_vectors():
+    local, glob = np.array([4.0, 0.0, 0.0, 4.0]), [0.0, 1.0, 1.0, 0.0]
+    mixed = fedel.blend(local, glob, 0.5)
+    np.testing.assert_allclose(mixed, [2, 2, 2, 2])  # equal halves, the local scale (8)
+    np.testing.assert_array_equal(fedel.blend(local, None, 0.5), local)
+    np.testing.assert_array_equal(fedel.blend(local, glob, 0.0), local)
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+def test_settings_are_checked_and_read_from_a_flower_run_config():
+    with pytest.raises(ConfigError, match="needs --round-deadline"):
+        FederateConfig(strategy="elastic").validate()
+    FederateConfig(strategy="fedavg-full").validate()  # waits for the slowest: no deadline
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        FederateConfig(strategy="fedprox", round_deadline_s=1).validate()
+    cfg = FederateConfig.from_run_config(
+        {"round-deadline": "30s", "speeds": "1,2,4", "strategy": "elastic-fedel", "model": ""}
+    )
+    assert cfg.round_deadline_s == 30 and cfg.speeds == (1, 2, 4) and cfg.model is None
+    assert cfg.speed(4) == 2.0 and cfg.window_fraction > 0 and cfg.beta > 0
+    assert FederateConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    assert parse_faults(["1:crash:2"]) == ((1, "crash", 2),)
+    with pytest.raises(ConfigError, match="CLIENT:KIND:ROUND"):
+        parse_faults(["1:crash"])
