@@ -4,6 +4,7 @@ end, a crashing client and a late one, and resume after a kill (slow)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -187,3 +188,241 @@ def test_settings_are_checked_and_read_from_a_flower_run_config():
     assert parse_faults(["1:crash:2"]) == ((1, "crash", 2),)
     with pytest.raises(ConfigError, match="CLIENT:KIND:ROUND"):
         parse_faults(["1:crash"])
+
+
+# ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(cache_env: dict) -> dict:
+    return {**os.environ, **cache_env, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    return _descendants_of(pid, children)
+
+
+def _descendants_of(pid: int, children: dict[int, list[int]]) -> list[int]:
+    out = []
+    for child in children.get(pid, []):
+        out += _descendants_of(child, children)
+    return out + [pid]
+
+
+def _stop(pids: list[int], grace_s: float = 15.0) -> None:
+    """SIGTERM ``pids``, then SIGKILL those still alive after ``grace_s`` (at once: 0)."""
+    for pid in pids if grace_s > 0 else ():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+SIMULATE = """
+import json, sys
+from etgraph.federated import FederateConfig
+from etgraph.federated.run import federate
+config = FederateConfig.from_json(json.loads(sys.argv[1]))
+print(json.dumps(federate(config, sys.argv[2])))
+"""
+
+
+@pytest.mark.slow
+def test_a_simulation_trains_within_deadlines_and_survives_a_crash_and_a_late_client(
+    tmp_path, cache_env, default_model
+):
+    """Three clients of speeds 1, 4 and 8 on the default model, two rounds of elastic-fedel on
+    Flower's simulation engine: client 2 runs late in round 1 (dropped), client 1 crashes in
+    round 2 (recorded as failed); the rounds are aggregated without them. The run directory
+    holds one record per round with every client's entry, the checkpoint, the summary, the
+    plots and the exported global model."""
+    pytest.importorskip("flwr")
+    out = tmp_path / "run"
+    config = FederateConfig(
+        clients=3,
+        rounds=2,
+        round_deadline_s=2.0,
+        speeds=(1, 4, 8),
+        strategy="elastic-fedel",
+        faults=("2:late:1", "1:crash:2"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", SIMULATE, json.dumps(config.to_json()), str(out)],
+        env=_env(cache_env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    status = {(r["round"], c["client"]): c["status"] for r in records for c in r["clients"]}
+    assert status[(1, 2)] == "late" and status[(2, 1)] == "failed"
+    assert status[(1, 0)] == status[(1, 1)] == status[(2, 0)] == status[(2, 2)] == "ok"
+    n = len(default_model.names)
+    for r in records:
+        assert r["virtual_time_s"] > 0 and 0 <= r["val_acc"] <= 1 and len(r["coverage"]) == n
+        for c in r["clients"]:
+            assert {"client", "speed", "deadline_s", "round_time_s", "n_tensors"} <= set(c)
+            assert {"upload_bytes", "status"} <= set(c)
+            if c["status"] == "ok":  # within its deadline (+5%), in its own virtual clock
+                assert c["round_time_s"] <= 2.0 * 1.05
+    late = next(c for c in records[0]["clients"] if c["client"] == 2)
+    assert late["round_time_s"] > 2.0 * 1.05  # it replied, but too late to count
+    slow = next(c for c in records[1]["clients"] if c["client"] == 2)
+    fast = next(c for c in records[1]["clients"] if c["client"] == 0)
+    assert slow["n_tensors"] < n and slow["upload_bytes"] < fast["upload_bytes"]  # only what
+    assert records[1]["val_acc"] > records[0]["initial_val_acc"]  # it trained
+    for name in ("summary.json", "accuracy.png", "tensors.png", "model_trained.onnx"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status_counts"] == {"ok": 4, "late": 1, "failed": 1}
+
+
+@pytest.mark.slow
+def test_a_killed_federated_run_resumes_from_its_last_round(tmp_path, cache_env):
+    """``etgraph federate`` killed (SIGKILL, with its Ray processes) after its first round:
+    ``--resume`` continues from the server's checkpoint and runs the remaining rounds once."""
+    pytest.importorskip("flwr")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "etgraph", "federate", "--clients", "2", "--rounds", "3"]
+    args += ["--strategy", "fedavg-full", "--speeds", "1,2", "-q", "-o", str(out)]
+    proc = subprocess.Popen(
+        args, env=_env(cache_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end and proc.poll() is None:
+            if (out / "server.json").exists():
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        first = (out / "log.jsonl").read_text().splitlines()[0]
+    finally:
+        _stop(_descendants(proc.pid), grace_s=0.0)  # SIGKILL: the run and its Ray processes
+        proc.wait()
+    assert json.loads((out / "server.json").read_text())["round"] >= 1
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "federate", "--resume", str(out), "-q"],
+        env=_env(cache_env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (out / "log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [1, 2, 3]
+    assert lines[0] == first  # the round before the kill is kept as it was
+    assert "strategy fedavg-full: 3 rounds" in done.stdout
+    again = subprocess.run(
+        [sys.executable, "-m", "etgraph", "federate", "-o", str(out), "--strategy", "fedavg-full"],
+        env=_env(cache_env),
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 1 and "--resume" in again.stderr
+
+
+@pytest.mark.slow
+def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
+    """The README's deployment path: one ``flower-superlink``, two ``flower-supernode``
+    processes (partition and speed in their node config) and ``flwr run`` of etgraph's app
+    directory; every process it started is stopped at the end."""
+    pytest.importorskip("flwr")
+    import shutil
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def wait_for(port: int, timeout_s: float = 120.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.5)
+        raise AssertionError(f"nothing listens on port {port} after {timeout_s:.0f} s")
+
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    link, nodes = free_port(), [free_port(), free_port()]
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "etgraph-local"\n\n[superlink.etgraph-local]\n'
+        f'address = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
+    app = tmp_path / "app"
+    shutil.copytree(ROOT / "etgraph" / "federated" / "app", app)
+    env = {**_env(cache_env), "FLWR_HOME": str(home)}
+    bin_dir = Path(sys.executable).parent
+    started = []
+    try:
+        started.append(
+            subprocess.Popen(
+                [bin_dir / "flower-superlink", "--insecure", "--port", str(link)]
+                + ["--disable-runtime-dependency-installation"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        wait_for(link)
+        for i, port in enumerate(nodes):
+            started.append(
+                subprocess.Popen(
+                    [bin_dir / "flower-supernode", "--insecure", "--superlink"]
+                    + [f"127.0.0.1:{link}", "--port", str(port)]
+                    + ["--node-config", f"partition-id={i} speed={1 + 3 * i}"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for port in nodes:
+            wait_for(port)
+        out = tmp_path / "run"
+        run = subprocess.run(
+            [bin_dir / "flwr", "run", str(app), "etgraph-local", "--stream"]
+            + ["--run-config", f'out="{out}" rounds=2'],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in records] == [1, 2]
+        speeds = {c["client"]: c["speed"] for c in records[-1]["clients"]}
+        assert speeds == {0: 1.0, 1: 4.0}  # from each SuperNode's node config
+        assert all(c["status"] == "ok" for r in records for c in r["clients"])
+        assert (out / "summary.json").is_file()
+    finally:
+        pids = [pid for p in started for pid in _descendants(p.pid)]
+        _stop(pids)
+        for p in started:
+            p.wait(timeout=30)
+    assert not [pid for pid in pids if _alive(pid)]

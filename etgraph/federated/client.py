@@ -48,8 +48,8 @@ __all__ = ["FederatedClient", "RoundResult", "client_for"]
 DEADLINE_TARGET = 0.97
 #: Wall seconds a ``hang`` fault sleeps beyond the server's round timeout.
 HANG_EXTRA_S = 5.0
-#: How much slower than planned a ``late`` fault runs.
-LATE_SLOWDOWN = 3.0
+#: A ``late`` fault's reply is delayed (a slow uplink) by this many round deadlines.
+LATE_DELAY = 1.5
 #: Devices whose trainers one process keeps (least recently used dropped).
 MAX_CLIENTS = 16
 
@@ -159,8 +159,7 @@ class FederatedClient:
         """
         cfg, trainer = self.config, self.trainer
         fault = cfg.fault(self.partition_id, server_round)
-        speed = self.speed * (LATE_SLOWDOWN if fault == "late" else 1.0)
-        clock = VirtualClock(speed, cfg.clock)  # the device's clock: the round starts now
+        clock = VirtualClock(self.speed, cfg.clock)  # the device's clock: the round starts now
         if fault == "crash":
             raise RuntimeError(f"client {self.partition_id}: injected crash, round {server_round}")
         deadline = cfg.deadline_s
@@ -226,6 +225,8 @@ class FederatedClient:
         if fault == "hang":
             time.sleep((round_timeout_s or 0.0) + HANG_EXTRA_S)
         round_s = clock.elapsed_s()
+        if fault == "late":  # a slow uplink: the reply arrives after the deadline
+            round_s += LATE_DELAY * (cfg.round_deadline_s or round_s)
         names = set(self.task.model.names)
         metrics = {
             "partition-id": self.partition_id,

@@ -22,8 +22,8 @@ __all__ = ["FAULT_KINDS", "STRATEGIES", "FederateConfig", "parse_faults"]
 STRATEGIES = ("fedavg-full", "fedavg-drop", "elastic", "elastic-fedel")
 
 #: Faults a client can be told to play (:func:`parse_faults`), for tests and benchmarks:
-#: ``crash`` raises in the client, ``hang`` sleeps past the server's wait, ``late`` runs three
-#: times slower than the speed it plans with.
+#: ``crash`` raises in the client, ``hang`` sleeps past the server's wait, ``late`` delays its
+#: reply (a slow uplink) by 1.5 round deadlines of virtual time.
 FAULT_KINDS = ("crash", "hang", "late")
 
 #: FedEL's switches when ``elastic-fedel`` does not set them (window width as a fraction of
