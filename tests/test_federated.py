@@ -190,6 +190,73 @@ def test_settings_are_checked_and_read_from_a_flower_run_config():
         parse_faults(["1:crash"])
 
 
+def test_the_strategy_aggregates_what_arrived_and_records_failed_late_and_silent_clients(
+    monkeypatch,
+):
+    """ElasticFedAvg on hand-made Flower messages: a client's partial reply is averaged in, a
+    crash (an error reply), a reply past the deadline + 5% and a client that never answers are
+    left out and recorded (failed, late, late); the round lasts until the cutoff."""
+    pytest.importorskip("flwr")
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from etgraph.federated.server import ElasticFedAvg
+
+    for field in ("_run_id", "_task_id", "_node_id"):  # messages belong to a run
+        monkeypatch.setattr(TaskIdentity, field, 1)
+
+    class Grid:
+        def get_node_ids(self):
+            return [11, 12, 13, 14]
+
+    names = ["w0", "w1"]
+    config = FederateConfig(clients=4, round_deadline_s=2.0, strategy="elastic")
+    strategy = ElasticFedAvg(config, names, {})
+    glob = {"w0": np.zeros(2, np.float32), "w1": np.ones(2, np.float32)}
+    arrays = ArrayRecord({k: Array(v) for k, v in glob.items()})
+    sent = {
+        m.metadata.dst_node_id: m
+        for m in strategy.configure_train(1, arrays, ConfigRecord(), Grid())
+    }
+    assert set(sent) == {11, 12, 13, 14}
+    assert json.loads(sent[11].content["config"]["task"])["strategy"] == "elastic"
+
+    def reply(node, pid, seconds, tensors):
+        metrics = {
+            "partition-id": pid,
+            "speed": 1.0,
+            "examples": 8,
+            "steps": 2,
+            "steps-planned": 2,
+            "n-tensors": len(tensors),
+            "round-time-s": seconds,
+            "measured-s": seconds,
+            "artifacts-s": 0.0,
+            "rho": 0.5,
+            "rho-achieved": 0.5,
+            "train-loss": 1.0,
+            "window": [],
+            "selected": [names.index(k) for k in tensors],
+            "importance": [1.0, 1.0],
+        }
+        record = ArrayRecord({k: Array(np.full(2, 5.0, np.float32)) for k in tensors})
+        content = RecordDict({"arrays": record, "metrics": MetricRecord(metrics)})
+        return Message(content, reply_to=sent[node])
+
+    replies = [
+        reply(11, 0, 1.9, ["w0"]),
+        Message(Error(0, "boom"), reply_to=sent[12]),
+        reply(13, 2, 2.2, ["w0", "w1"]),  # past 2.0 x 1.05
+    ]  # node 14 never answers (a hang): the server's wait ends without it
+    new, _ = strategy.aggregate_train(1, replies)
+    np.testing.assert_array_equal(new["w0"].numpy(), [5, 5])  # the one usable reply
+    np.testing.assert_array_equal(new["w1"].numpy(), [1, 1])  # nobody usable trained it
+    status = {str(c["client"]): c["status"] for c in strategy.clients}
+    assert status == {"0": "ok", "node1": "failed", "2": "late", "node3": "late"}
+    assert strategy.coverage == [1.0, 0.0]
+    assert strategy.round_time_s() == pytest.approx(2.0 * 1.05)
+
+
 # ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
 
 ROOT = Path(__file__).resolve().parents[1]
