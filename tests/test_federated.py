@@ -257,6 +257,38 @@ def test_the_strategy_aggregates_what_arrived_and_records_failed_late_and_silent
     assert strategy.round_time_s() == pytest.approx(2.0 * 1.05)
 
 
+@pytest.mark.slow
+def test_a_period_takes_the_callers_rho_and_importance_fn(default_model, default_profile):
+    """What a federated client drives: ``begin_period(rho, importance_fn=...)`` selects under
+    that rho with the importance the function returns (a window: nothing outside it), and
+    periods driven by steps alone are numbered on (each probes new batches)."""
+    import etgraph
+    from tests.test_api import digits_arrays
+
+    prof, _ = default_profile
+    x, y = digits_arrays(48)
+    config = etgraph.TrainConfig(epochs=4, period=1, rho=0.9, closed_loop=False)
+    names = default_model.names
+    seen = []
+
+    def window(importance):
+        seen.append(importance.copy())
+        return fedel.restrict(importance, (len(names) - 4, len(names)))
+
+    with etgraph.ElasticTrainer(default_model, prof, config, data=(x, y)) as trainer:
+        info = trainer.begin_period(0.6, importance_fn=window)
+        assert info.rho == 0.6 and info.period == 0 and len(seen) == 1
+        assert info.selected and set(info.selected) <= set(names[-4:])
+        assert info.predicted_step_us <= 0.6 * prof.t_full_us * 1.05
+        trainer.step(x[:4], y[:4])
+        trainer.end_period()
+        again = trainer.begin_period(0.6)
+        assert again.period == 1 and not np.array_equal(again.importance, seen[0])
+        assert len(seen) == 1 and not set(again.selected) <= set(names[-4:])
+        with pytest.raises(etgraph.ConfigError, match="rho"):
+            trainer.end_period() or trainer.begin_period(1.5)
+
+
 # ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
 
 ROOT = Path(__file__).resolve().parents[1]
