@@ -157,6 +157,7 @@ def test_a_client_selects_inside_its_window_and_moves_it_to_what_it_affords():
     restricted = fedel.restrict(imp, (1, 3))
     assert restricted[1] == 4 and restricted[2] == 1
     assert (restricted[[0, 3, 4]] < -imp.sum()).all()  # any selection outside loses
+    assert fedel.restrict(imp, (1, 3), keep=[4])[4] == 9  # the output layer stays allowed
     single = [0.9, 0.8, 0.6, 0.4, 0.3]  # rho of training tensor k alone
     assert fedel.affordable_window((0, 2), 0.65, single) == (1, 3)
     assert fedel.affordable_window((0, 2), 0.2, single) == (3, 5)  # as far as the output end

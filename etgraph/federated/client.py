@@ -91,6 +91,8 @@ class FederatedClient:
         self.single_rho = np.array(  # training tensor k alone, as a share of a full step
             [p.predicted_step_us(np.arange(n) == k) / p.t_full_us for k in range(n)]
         )
+        tensors = task.model.tensors
+        self.head = [i for i, t in enumerate(tensors) if t.layer == tensors[-1].layer]
         self.full_step_s = self._measure_full_step()  # this machine, the clock's source
         self.correction = 1.0  # measured elastic step / predicted, from the last round
         self.fixed_s, self.end_s = 0.0, 0.0  # a round's costs outside its steps, virtual
@@ -185,7 +187,7 @@ class FederatedClient:
         def shape_importance(importance: np.ndarray) -> np.ndarray:
             local.append(np.asarray(importance, dtype=np.float64).copy())
             shaped = fedel.blend(importance, global_importance, cfg.beta)
-            return fedel.restrict(shaped, bounds) if bounds is not None else shaped
+            return fedel.restrict(shaped, bounds, self.head) if bounds is not None else shaped
 
         upload: dict[str, np.ndarray] = {}
         losses, step_s = [], []

@@ -7,9 +7,10 @@ them (issue 29; FedEL, NeurIPS '25, arXiv 2509.16902).
     end, and the early layers of the global model are trained by the fast clients alone.
     **Window** (:func:`window`): the server assigns each client a window of consecutive tensors
     that moves from the output towards the input round by round (clients offset from each
-    other); a client whose budget is below 1 selects only inside it (:func:`restrict`), the
-    window moved back towards the output as far as its budget needs
-    (:func:`affordable_window`). A client that can train everything does.
+    other); a client whose budget is below 1 selects only inside it and the output layer
+    (:func:`restrict`: the head is cheap and, in transfer learning, what matters most; the
+    window is about what else to train), the window moved back towards the output as far as its
+    budget needs (:func:`affordable_window`). A client that can train everything does.
 (b) **Importance is local.** A client's importance comes from its own (non-IID) probe batch.
     **Global importance** (:func:`blend`): the server averages the importance vectors the
     clients report (each normalised, weighted by examples) and sends it back; a client selects
@@ -72,13 +73,17 @@ def affordable_window(
     return start, end
 
 
-def restrict(importance: np.ndarray, bounds: tuple[int, int]) -> np.ndarray:
-    """Importance with every tensor outside ``[start, end)`` made so negative that any
-    selection inside the window beats any selection with a tensor outside it (the DP of Eq. 3
-    then selects inside the window whenever something there fits the budget)."""
+def restrict(
+    importance: np.ndarray, bounds: tuple[int, int], keep: Sequence[int] = ()
+) -> np.ndarray:
+    """Importance with every tensor outside ``[start, end)`` and ``keep`` (indices, e.g. the
+    output layer's) made so negative that any selection of allowed tensors beats any selection
+    with another (the DP of Eq. 3 then selects among the allowed ones whenever one fits the
+    budget)."""
     imp = np.asarray(importance, dtype=np.float64).copy()
     start, end = bounds
     outside = np.ones(imp.size, dtype=bool)
     outside[start:end] = False
+    outside[list(keep)] = False
     imp[outside] = -(np.abs(imp).sum() + 1.0)
     return imp
