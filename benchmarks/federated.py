@@ -72,7 +72,14 @@ def ms(values) -> str:
 
 
 @click.command()
-@click.option("--rounds", default=20, show_default=True)
+@click.option("--rounds", default=20, show_default=True, help="Rounds of A and B.")
+@click.option(
+    "--elastic-rounds",
+    default=None,
+    type=int,
+    help="Rounds of C and D [--rounds]: their rounds are shorter, so the same count ends them "
+    "earlier in virtual time than A; give them enough to reach A's accuracy.",
+)
 @click.option("--seeds", default=3, show_default=True)
 @click.option("--clients", default=8, show_default=True)
 @click.option("--speeds", default="1,1,2,2,4,4,8,8", show_default=True)
@@ -89,6 +96,7 @@ def ms(values) -> str:
 @click.option("--reuse", is_flag=True, help="Read runs already in --out instead of running.")
 def main(
     rounds,
+    elastic_rounds,
     seeds,
     clients,
     speeds,
@@ -117,7 +125,9 @@ def main(
                     model=model,
                     data=data,
                     clients=clients,
-                    rounds=rounds,
+                    rounds=elastic_rounds
+                    if elastic_rounds and strategy.startswith("elastic")
+                    else rounds,
                     round_deadline_s=deadline,
                     speeds=speeds,
                     partition=partition,
@@ -199,16 +209,36 @@ def main(
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
     print(
         f"\n{clients} clients, speeds {speeds}, {partition}, deadline {deadline} s (virtual), "
-        f"{rounds} rounds, {seeds} seeds; times virtual (speed x measured CPU time)"
+        f"{rounds} rounds (C, D: {elastic_rounds or rounds}), {seeds} seeds; times virtual "
+        "(speed x measured CPU time)"
     )
     for row in [head, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    print(
+        "\nclient round time / deadline by speed factor (mean, max over rounds and seeds; ok = "
+        "share of client rounds aggregated)"
+    )
+    by_speed_rows = []
+    for strategy, seeds_records in runs.items():
+        entries = [c for records in seeds_records for r in records for c in r["clients"]]
+        cells = []
+        for s in sorted({c["speed"] for c in entries if c["speed"] is not None}):
+            mine = [c for c in entries if c["speed"] == s]
+            ratios = [c["round_time_s"] / deadline for c in mine]
+            ok = np.mean([c["status"] == "ok" for c in mine])
+            cells.append(f"s={s:g}: {np.mean(ratios):.2f}/{max(ratios):.2f} ok {ok:.0%}")
+            results[strategy].setdefault("by_speed", {})[str(s)] = dict(
+                mean_ratio=float(np.mean(ratios)), max_ratio=float(max(ratios)), ok=float(ok)
+            )
+        by_speed_rows.append(f"{LETTERS.get(strategy, '?')} {strategy:<14}" + "  ".join(cells))
+    print("\n".join(by_speed_rows))
     if json_path:
         Path(json_path).write_text(
             json.dumps(
                 {
                     "settings": dict(
                         rounds=rounds,
+                        elastic_rounds=elastic_rounds or rounds,
                         seeds=seeds,
                         clients=clients,
                         speeds=speeds,
