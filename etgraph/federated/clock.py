@@ -9,11 +9,12 @@ simulation gives each all cores), so they do not slow each other down.
 
 What is measured (``source``):
 
-* ``"cpu"`` (default) — the process's CPU time. Client sessions run ONNX Runtime on one
-  intra-op thread, so CPU time is the client's own work, and a machine shared with other jobs
-  (load 8 on 2 cores was seen while writing this) does not stretch it, as it stretches wall
-  time. A client that sleeps or hangs spends no CPU time: the server's wall-clock timeout
-  catches it.
+* ``"cpu"`` (default) — the CPU time of the client's thread (``time.thread_time``). Client
+  sessions run ONNX Runtime on one intra-op thread, in the calling thread, so this is the
+  client's own work (not the Ray worker's other threads), and a machine shared with other jobs
+  does not stretch it as it stretches wall time (less, not nothing: under load 9-16 on 2 cores
+  the same client round's CPU time varied up to 2x). A client that sleeps or hangs spends no
+  CPU time: the server's wall-clock timeout catches it.
 * ``"wall"`` — ``time.perf_counter``: on a quiet, dedicated machine.
 
 Generating a selection's ONNX Runtime training artifacts is compilation, done off the device
