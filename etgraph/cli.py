@@ -38,6 +38,7 @@ from .errors import (
     first_line,
     resource_error,
 )
+from .federated.cli import federate_command
 from .files import sweep_stale_temp_dirs
 from .host import check_address_space, exit_on_sigterm
 
@@ -490,3 +491,4 @@ def compile_command(
 
 
 cli.add_command(train_command)
+cli.add_command(federate_command)  # etgraph.federated.cli: Flower is imported when it runs

@@ -148,6 +148,7 @@ class PeriodController:
         self._evaluator: ImportanceEvaluator | None = None
         self._reference: GradientSession | None = None  # full steps measured alike
         self._startup_peak_mb: float | None = None
+        self.last_artifacts_cpu_s = 0.0  # process CPU time of the last artifacts fetched
         if config.memory_mb is None:  # a native crash of ORT: one line (once per model; under
             check_sessions(  # a budget the profile's check stands: no all-trainable weights)
                 model,
@@ -424,9 +425,10 @@ class PeriodController:
         """A training session of selection ``mask`` on the carried state (a checkpoint file
         under a memory budget, rewritten from a view of it). Returns it, whether its artifacts
         were a cache hit, and the seconds the artifacts took."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         paths, cache_hit, trainable = self.artifacts(mask)
         artifacts_s = time.perf_counter() - t0
+        self.last_artifacts_cpu_s = time.process_time() - cpu0
         ckpt = self.work_dir / SESSION_CHECKPOINT
         if isinstance(carried, Path):  # rewritten from a view of the file, then dropped
             state, _, _ = read_checkpoint(carried, copy=False)
@@ -457,10 +459,13 @@ class PeriodController:
         rho: float,
         session: TrainingSession | None = None,
         mask_prev: np.ndarray | None = None,
+        importance_fn=None,
     ) -> Reselection:
         """Importance -> selection -> artifacts -> session (kept if the mask is unchanged and
-        ``session`` is open). ``records``: the run's epochs so far (the fit). Every part is
-        timed (counted as training time).
+        ``session`` is open). ``records``: the run's epochs so far (the fit);
+        ``importance_fn``: maps the measured importance to the one the DP maximises
+        (:meth:`etgraph.trainer.ElasticTrainer.begin_period`). Every part is timed (counted as
+        training time; ``artifacts_cpu_s`` is the artifacts' process CPU time).
 
         Raises:
             InfeasibleBudgetError, InfeasibleMemoryError: as :meth:`select`.
@@ -470,6 +475,8 @@ class PeriodController:
         t0 = time.perf_counter()
         memory = self.memory_costs()  # under a budget: measured with nothing large held
         importance = self.importance(period, carried, memory)
+        if importance is not None and importance_fn is not None:
+            importance = np.asarray(importance_fn(importance), dtype=np.float64)
         t1 = time.perf_counter()
         fit = fit_time_model(
             records,
@@ -480,16 +487,18 @@ class PeriodController:
         fit_s = time.perf_counter() - t1
         mask, memory = self.select(importance, fit, rho, memory, first_period=not records)
         t2 = time.perf_counter()
-        cache_hit, artifacts_s = None, 0.0
+        cache_hit, artifacts_s, artifacts_cpu_s = None, 0.0, 0.0
         if session is None or mask_prev is None or not np.array_equal(mask, mask_prev):
             session = None  # release the old session before building the new one
             session, cache_hit, artifacts_s = self.open_session(mask, carried, cfg.learning_rate)
+            artifacts_cpu_s = self.last_artifacts_cpu_s
         release_native_memory()
         t3 = time.perf_counter()
         timings = {
             "importance_s": t1 - t0,
             "selection_s": t2 - t1,
             "artifacts_s": artifacts_s,
+            "artifacts_cpu_s": artifacts_cpu_s,
             "session_s": t3 - t2 - artifacts_s,
             "reselection_s": t3 - t0,
             "artifacts_cache_hit": cache_hit,

@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -200,6 +200,7 @@ class ElasticTrainer:
         self._period: PeriodInfo | None = None  # the period in progress
         self._pending_timings: dict | None = None  # the period start's, for its first epoch
         self._options_chosen = False
+        self._periods_ended = 0  # periods ended (the next one's index, when driven by steps)
         self._since_set: set[str] = set()  # tensors trained since set_weights
         self._stats_at_set: dict[str, np.ndarray] | None = None
         if not resuming:
@@ -288,12 +289,31 @@ class ElasticTrainer:
 
     # -- one period -----------------------------------------------------------------------------
 
-    def begin_period(self) -> PeriodInfo:
+    def begin_period(
+        self,
+        rho: float | None = None,
+        *,
+        importance_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> PeriodInfo:
         """Start the period of the next epoch: importance -> selection -> artifacts -> session
         (:meth:`etgraph.period.PeriodController.reselect`). Returns what it chose.
 
+        A program that plans its own budget per period (a federated client under a round's
+        deadline, :mod:`etgraph.federated`) passes this period's ``rho``; ``importance_fn``
+        maps the importance measured on the probe batch (float64 [N], forward order) to the
+        one the DP maximises (e.g. blended with a server's, or restricted to a window of
+        tensors by making the others' negative). Periods driven by :meth:`step` alone (no
+        epoch ends) are numbered on, so each probes new batches.
+
+        Args:
+            rho: this period's step-time ratio in (0, 1] (default: ``config.rho``, or deadline
+                mode's choice).
+            importance_fn: float64 [N] -> float64 [N] (finite), applied before the DP
+                (strategies with importance only).
+
         Raises:
-            ConfigError: a period is already in progress, or the run has trained every epoch.
+            ConfigError: a period is already in progress, the run has trained every epoch, or
+                ``rho`` is out of range.
             InfeasibleBudgetError, InfeasibleMemoryError: no selection fits the budgets.
         """
         cfg = self.config
@@ -301,15 +321,25 @@ class ElasticTrainer:
             raise ConfigError(f"period {self._period.period} is in progress: end it first")
         if self.epoch >= cfg.epochs:
             raise ConfigError(f"the run has trained all {cfg.epochs} epochs")
+        if rho is not None and not 0.0 < rho <= 1.0:
+            raise ConfigError(f"rho must be in (0, 1] (fraction of the full step), got {rho}")
         if not self._options_chosen:  # the sessions' options, measured once at the start
-            self.controller.choose_options(self.rho)
+            self.controller.choose_options(rho or self.rho)
             self._options_chosen = True
         carried = self._state_between_periods()
-        if self.deadline is not None:
+        if rho is not None:
+            self.rho = float(rho)
+        elif self.deadline is not None:
             self.rho = self.deadline.rho(self.epoch, self.records)
-        period = self.epoch // cfg.period
+        period = max(self.epoch // cfg.period, self._periods_ended)
         chosen = self.controller.reselect(
-            period, carried, self.records, self.rho, self._session, self._mask
+            period,
+            carried,
+            self.records,
+            self.rho,
+            self._session,
+            self._mask,
+            importance_fn=importance_fn,
         )
         self._session, self._mask, self.fit_model = chosen.session, chosen.mask, chosen.fit
         self._since_set.update(np.asarray(self.names)[chosen.mask].tolist())
@@ -373,6 +403,7 @@ class ElasticTrainer:
         self._session.save(self.checkpoint_path, properties)
         log.debug("checkpoint after epoch %d: %.3f s", self.epoch, time.perf_counter() - t0)
         self._period = None
+        self._periods_ended = info.period + 1
         self._carried = self.checkpoint_path  # the state, until a session moves on from it
         if self.bounded:
             self._session = None

@@ -1,0 +1,125 @@
+"""A client's clock and its round plan (issue 29): one machine emulates a fleet of devices of
+different speeds honestly.
+
+**Virtual time.** A client of speed factor ``s`` (``s`` = 8: eight times slower than this
+machine) runs its round here, measured, and reports ``s x`` the measured time: its round's
+length on the slow device. Every budget it plans with is in that virtual clock, so a deadline
+of 30 s gives an ``s = 8`` client 3.75 s of this machine's time. Clients run one at a time (the
+simulation gives each all cores), so they do not slow each other down.
+
+What is measured (``source``):
+
+* ``"cpu"`` (default) — the CPU time of the client's thread (``time.thread_time``). Client
+  sessions run ONNX Runtime on one intra-op thread, in the calling thread, so this is the
+  client's own work (not the Ray worker's other threads), and a machine shared with other jobs
+  does not stretch it as it stretches wall time (less, not nothing: under load 9-16 on 2 cores
+  the same client round's CPU time varied up to 2x). A client that sleeps or hangs spends no
+  CPU time: the server's wall-clock timeout catches it.
+* ``"wall"`` — ``time.perf_counter``: on a quiet, dedicated machine.
+
+Generating a selection's ONNX Runtime training artifacts is compilation, done off the device
+(ORT's on-device training generates artifacts on a host; the fleet shares one cache by
+selection): :meth:`VirtualClock.discount` takes it off a round's clock, and the run log
+records it separately.
+
+**The round plan** (:func:`plan_round`) is deadline mode's arithmetic
+(:class:`etgraph.clock.DeadlinePlanner`) for one round: the time left, less the measured fixed
+costs of a round, over the planned steps gives rho; below the cheapest selection's rho the
+client trains that selection for fewer steps (partial work sized to the round, as TimelyFL).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["CLOCK_SOURCES", "RoundPlan", "VirtualClock", "plan_round"]
+
+CLOCK_SOURCES = ("cpu", "wall")
+
+
+class VirtualClock:
+    """Seconds on a device ``speed`` times slower than this machine, since :meth:`start`.
+
+    Args:
+        speed: the speed factor ``s`` (> 0; 1 = this machine).
+        source: ``"cpu"`` (process CPU time) or ``"wall"`` (module docstring).
+
+    Raises:
+        ConfigError: a non-positive speed or an unknown source.
+    """
+
+    def __init__(self, speed: float, source: str = "cpu"):
+        if not 0 < speed < math.inf:
+            raise ConfigError(f"a speed factor must be positive, got {speed}")
+        if source not in CLOCK_SOURCES:
+            raise ConfigError(f"unknown clock {source!r}: choose one of {', '.join(CLOCK_SOURCES)}")
+        self.speed = float(speed)
+        self.source = source
+        self._read = time.thread_time if source == "cpu" else time.perf_counter
+        self._t0 = self._read()
+        self._discounted = 0.0
+
+    def start(self) -> None:
+        """Start counting from now (nothing discounted)."""
+        self._t0, self._discounted = self._read(), 0.0
+
+    def measured_s(self) -> float:
+        """This machine's seconds since :meth:`start`, less what was discounted."""
+        return self._read() - self._t0 - self._discounted
+
+    def elapsed_s(self) -> float:
+        """Virtual seconds since :meth:`start`: ``speed x`` :meth:`measured_s`."""
+        return self.speed * self.measured_s()
+
+    def discount(self, measured_s: float) -> None:
+        """Take ``measured_s`` of this machine's time (in this clock's source) off the clock."""
+        self._discounted += max(0.0, float(measured_s))
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a client trains in a round: ``steps`` steps at step-time ratio ``rho``;
+    ``partial`` when its budget could not hold every planned step even at the cheapest
+    selection."""
+
+    rho: float
+    steps: int
+    partial: bool
+
+
+def plan_round(
+    *,
+    left_s: float,
+    steps: int,
+    full_step_s: float,
+    fixed_s: float,
+    floor_rho: float,
+) -> RoundPlan:
+    """The rho (and steps) that end a round's ``steps`` training steps in ``left_s``.
+
+    ``rho = (left_s - fixed_s) / (steps * full_step_s)``, clamped to ``[floor_rho, 1]``; below
+    ``floor_rho`` the steps that fit at ``floor_rho`` (possibly 0).
+
+    Args:
+        left_s: the round's time left (virtual s).
+        steps: the steps planned (the local epochs over the client's data), >= 0.
+        full_step_s: a full training step (every tensor) in the same clock, > 0; an elastic
+            step at rho costs about ``rho * full_step_s``.
+        fixed_s: the round's time outside its steps still to come (importance, selection,
+            session, upload), >= 0.
+        floor_rho: the cheapest selection's rho (:func:`etgraph.timing.min_feasible_rho`).
+    """
+    room = left_s - fixed_s
+    if steps <= 0:
+        return RoundPlan(1.0, 0, False)
+    rho = room / (steps * full_step_s) if full_step_s > 0 else 1.0
+    if rho >= 1.0:
+        return RoundPlan(1.0, steps, False)
+    if rho >= floor_rho:
+        return RoundPlan(float(rho), steps, False)
+    fit = max(0, math.floor(room / (floor_rho * full_step_s) + 1e-9)) if full_step_s > 0 else 0
+    return RoundPlan(float(floor_rho), min(fit, steps), True)
