@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 from helpers import run_cli
 
 from etgraph.dumps import read_graph
 from etgraph.graph import charges
 
 
+@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
 def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
     out = tmp_path / "dumps"
     proc = run_cli("inspect", str(tiny_cnn_onnx), "--out", str(out), "--render")
@@ -39,6 +41,7 @@ def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
     assert not (tmp_path / "mse").exists()
 
 
+@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
 def test_inspect_errors_are_one_line(tmp_path):
     proc = run_cli("inspect", str(tmp_path / "missing.onnx"))
     assert proc.returncode == 1

@@ -55,6 +55,7 @@ def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 2
 
 
+@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
 def test_profile_errors_are_one_line(tmp_path):
     missing = run_cli("profile", str(tmp_path / "nope.onnx"), env=cache_at(tmp_path))
     assert missing.returncode == 1

@@ -86,6 +86,7 @@ def test_train_bad_settings_are_one_line_errors(tmp_path, profile_json, args, fr
     assert fragment in lines[0]
 
 
+@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
 def test_train_usage_errors(tmp_path):
     """Refused before any profile or model is read (so the profile need not exist)."""
     missing_out = run_cli("train", "--profile", str(tmp_path / "profile.json"))

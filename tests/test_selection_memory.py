@@ -47,6 +47,7 @@ def _instance(rng, n):
     return t_dw, t_dy, imp, budget, memory
 
 
+@pytest.mark.slow  # thousands of brute-force instances: the fast subset stays under 2 minutes
 def test_dp_with_memory_matches_brute_force():
     """Exact on 3000 random integer instances (N <= 9): same objective as brute force, both
     budgets respected, and the infeasible cases are exactly the ones brute force finds none."""
