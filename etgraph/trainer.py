@@ -129,9 +129,6 @@ class ElasticTrainer:
         self.callbacks = list(callbacks)
         self.out = Path(out_dir) if out_dir is not None else None
         self._lock = contextlib.ExitStack()  # one process per run directory: its lock, held
-        if self.out is not None:
-            files.ensure_writable_dir(self.out, "--out")
-            self._lock.enter_context(files.exclusive_lock(self.out, "--out"))
         if self.out is not None and not resuming:
             rundir.prepare_run_dir(self.out)
         self._tmp = None if self.out is not None else files.private_temp_dir("train")
@@ -208,13 +205,26 @@ class ElasticTrainer:
                 self.deadline.check()
             if memory_profile is not None and config.memory_mb is not None:  # the model's floor
                 check_memory_floor(MemoryCosts.from_profile(memory_profile, config.memory_mb))
-            self._carried = self._initial_state()
-            if self.out is not None:
+        if self.out is not None:  # everything checked: the run directory is this trainer's
+            self._lock.enter_context(files.exclusive_lock(self.out, "--out"))
+        with self._released_on_error():
+            if not resuming:
+                self._carried = self._initial_state()
+            if self.out is not None and not resuming:
                 from .loop import start_run
 
                 start_run(self, profile)
 
     # -- construction helpers -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _released_on_error(self):
+        """Release the run directory's lock when the block fails (the trainer is not made)."""
+        try:
+            yield
+        except BaseException:
+            self._lock.close()
+            raise
 
     def restore(self, state: CarriedState | Path | None, epoch: int, records: list[dict]) -> None:
         """Continue from ``state`` (a checkpoint's state, or its file under a memory budget;
