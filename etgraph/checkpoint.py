@@ -36,7 +36,7 @@ from onnx import helper
 from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
 
 from .errors import CheckpointError, ConfigError
-from .files import atomic_target, write_atomic, write_json_atomic
+from .files import atomic_target, temporary_prefix, write_atomic, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,7 @@ def write_checkpoint(
     initial_learning_rate: float = 1e-4,
     properties: Mapping[str, str] | None = None,
     optimizer_state: bool = True,
+    durable: bool = True,
 ) -> None:
     """Write an ORT training checkpoint that starts a session for a new selection.
 
@@ -249,6 +250,9 @@ def write_checkpoint(
         optimizer_state: False: no optimizer group (no step, no moments), like the checkpoint
             ``generate_artifacts`` writes: for a Module without Optimizer (gradients only), or
             artifacts whose Optimizer starts fresh.
+        durable: written atomically and synced to disk (:func:`etgraph.files.write_atomic`);
+            False: renamed into place without a sync, for a transient file a session is about to
+            load (nothing is lost on a kill: the run resumes from its own checkpoint).
 
     Memory: the builder is sized for the whole file up front and the file is written from it,
     so the transient is one file's size (no growth copies, no ``tobytes``/``Output`` copies).
@@ -331,7 +335,15 @@ def write_checkpoint(
     if bag_off is not None:
         fbs.Checkpoint.AddPropertyBag(b, bag_off)
     b.Finish(fbs.Checkpoint.End(b), file_identifier=b"ODTC")
-    write_atomic(path, memoryview(b.Bytes)[b.Head() :])  # no copy of the finished buffer
+    payload_view = memoryview(b.Bytes)[b.Head() :]  # no copy of the finished buffer
+    if durable:
+        write_atomic(path, payload_view)
+    else:  # a new file renamed into place: a reader of the old one keeps it
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{temporary_prefix(path.name)}{os.getpid()}")
+        tmp.write_bytes(payload_view)
+        os.replace(tmp, path)
 
 
 # ---- integrity --------------------------------------------------------------------------------
