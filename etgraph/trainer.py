@@ -415,6 +415,7 @@ class ElasticTrainer:
                 self.steps_per_epoch,
                 cfg.reference_budget,
                 self.rho,
+                self.records,
             )
 
         def diverged(step: int, loss: float, lr: float) -> None:
