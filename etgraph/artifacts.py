@@ -440,7 +440,7 @@ def bake_frozen(
         directory: artifacts (:func:`generate`).
         weights: name -> value of (at least) every frozen parameter, float32 as in the
             checkpoint (:func:`etgraph.checkpoint.read_checkpoint`).
-        out_dir: where the baked copies go.
+        out_dir: where the baked copies go (``directory`` itself: baked in place).
 
     Returns:
         ``out_dir``, or ``directory`` itself when the training graph has no frozen parameter
@@ -459,11 +459,12 @@ def bake_frozen(
         bake_into(model, weights, frozen, out_dir / f"{name}.data")
         onnx.save(model, str(out_dir / name))
     target = out_dir / "optimizer_model.onnx"
-    target.unlink(missing_ok=True)
-    try:
-        os.link(directory / target.name, target)
-    except OSError:
-        target.write_bytes((directory / target.name).read_bytes())
+    if target.resolve() != (directory / target.name).resolve():  # else baked in place
+        target.unlink(missing_ok=True)
+        try:
+            os.link(directory / target.name, target)
+        except OSError:
+            target.write_bytes((directory / target.name).read_bytes())
     log.debug("baked %d frozen parameters into %s", len(frozen), out_dir)
     return out_dir
 
