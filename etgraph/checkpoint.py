@@ -192,6 +192,17 @@ def read_checkpoint(
     return CarriedState(weights, moments, step), requires_grad, properties
 
 
+def _builder(size: int) -> flatbuffers.Builder:
+    """A flatbuffers Builder of ``size`` bytes on an anonymous mapping: its pages are
+    allocated as the (back-to-front) building reaches them, not zero-filled up front as the
+    Builder's own bytearray is (ResNet50, 190 MB: 1.9 of the 7.9 s a checkpoint took on the
+    loaded 2-core machine). Growing past ``size`` falls back to the Builder's bytearray."""
+    b = flatbuffers.Builder(0)
+    b.Bytes = mmap.mmap(-1, size)
+    b.head = size
+    return b
+
+
 def _raw_vector(builder, array: np.ndarray) -> int:
     """A ``[ubyte]`` vector of ``array``'s bytes (C order, native little-endian), copied into
     the builder straight from the array's memory: ``CreateNumpyVector`` would first make a
@@ -267,7 +278,7 @@ def write_checkpoint(
     payload = sum(np.asarray(a).nbytes for a in state.weights.values())
     if optimizer_state:
         payload += 2 * sum(np.asarray(state.weights[n]).nbytes for n in trainable)
-    b = flatbuffers.Builder(payload + 256 * (3 * len(state.weights) + 16) + (1 << 16))
+    b = _builder(payload + 256 * (3 * len(state.weights) + 16) + (1 << 16))
     train_offs, frozen_offs = [], []
     for name in sorted(state.weights):
         off = _fb_tensor(b, name, state.weights[name])
