@@ -79,11 +79,13 @@ def one_run(model, profile, config, out: Path) -> dict:
     parts = {k: float(sum(r.get(k, 0.0) for r in records)) for k in PARTS}
     parts["importance_s"] = float(sum(r["importance_s"] for r in records))
     steps_s = float(sum(r["steps"] * r["measured_step_us"] * 1e-6 for r in records))
+    val_s = float(sum(r["val_s"] for r in records))
     return {
         "run_s": run_s,
         "run_cpu_s": run_cpu_s,
         "load_average": os.getloadavg()[0],
         "steps_s": steps_s,
+        "val_s": val_s,
         "parts_s": parts,
         "first_selection_s": result.first_selection_s,
         "val_acc": result.final_val_acc,

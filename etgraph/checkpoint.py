@@ -203,23 +203,27 @@ def _builder(size: int) -> flatbuffers.Builder:
     return b
 
 
-def _raw_vector(builder, array: np.ndarray) -> int:
+def _raw_vector(builder, array: np.ndarray, zeros: bool = False) -> int:
     """A ``[ubyte]`` vector of ``array``'s bytes (C order, native little-endian), copied into
     the builder straight from the array's memory: ``CreateNumpyVector`` would first make a
-    ``tobytes`` copy of the whole tensor (134 MB for VGG16's first classifier layer)."""
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
-    n = data.nbytes
+    ``tobytes`` copy of the whole tensor (134 MB for VGG16's first classifier layer).
+    ``zeros``: as many zero bytes, not written: the builder's buffer is zero where it has not
+    written yet (its mapping, :func:`_builder`, or the zero-filled bytearray it grows into)."""
+    n = array.nbytes
     builder.StartVector(1, n, 1)
     builder.head = builder.head - n
-    builder.Bytes[builder.head : builder.head + n] = data
+    if not zeros:
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        builder.Bytes[builder.head : builder.head + n] = data
     builder.vectorNumElems = n
     return builder.EndVector()
 
 
-def _fb_tensor(builder, name: str, array: np.ndarray) -> int:
+def _fb_tensor(builder, name: str, array: np.ndarray, zeros: bool = False) -> int:
+    """A Tensor of ``array`` (``zeros``: of its shape and dtype, all zero, :func:`_raw_vector`)."""
     name_off = builder.CreateString(name)
     dims_off = builder.CreateNumpyVector(np.asarray(np.shape(array), dtype=np.int64))
-    raw_off = _raw_vector(builder, array)
+    raw_off = _raw_vector(builder, array, zeros)
     fbs.Tensor.Start(builder)
     fbs.Tensor.AddName(builder, name_off)
     fbs.Tensor.AddDims(builder, dims_off)
@@ -301,9 +305,10 @@ def write_checkpoint(
             moment_offs = []
             for moment in MOMENT_NAMES:
                 value = carried.get(moment)
-                if value is None:
-                    value = np.zeros_like(weight)
-                elif value.shape != weight.shape:
+                if value is None:  # a newly trained tensor: zero moments, never materialised
+                    moment_offs.append(_fb_tensor(b, moment, np.asarray(weight), zeros=True))
+                    continue
+                if value.shape != weight.shape:
                     raise ConfigError(f"moment {moment} of {name!r} has shape {value.shape}")
                 moment_offs.append(_fb_tensor(b, moment, value))
             moments_vec = _fb_vector(
