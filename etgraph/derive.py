@@ -65,30 +65,28 @@ def _key(node: onnx.NodeProto) -> tuple[str, str]:
     return ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
 
 
-def _rank(graph: onnx.GraphProto, name: str) -> int | None:
-    """Rank of value ``name`` as the graph records it (value_info, inputs, outputs), or None."""
-    for info in (*graph.value_info, *graph.input, *graph.output):
-        if info.name == name and info.type.tensor_type.HasField("shape"):
-            return len(info.type.tensor_type.shape.dim)
-    return None
+def _types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto.Tensor]:
+    """The tensor type of every value the graph records (value_info, inputs, outputs)."""
+    return {i.name: i.type.tensor_type for i in (*graph.value_info, *graph.input, *graph.output)}
 
 
 def _inference_bn(
-    graph: onnx.GraphProto, bn: onnx.NodeProto, grad: onnx.NodeProto | None
+    types: dict[str, onnx.TypeProto.Tensor], bn: onnx.NodeProto, grad: onnx.NodeProto | None
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], list[onnx.NodeProto]] | None:
     """The nodes and initializers of ``bn`` (``BatchNormInternal``) as inference batch norm,
     and the node replacing its gradient ``grad`` (None: no backward reaches it). None when the
-    rank of its input is unknown. The nodes are :class:`passes.onnx.InferenceBatchNormPass`'s,
-    named after the forward BatchNormalization (``<bn>/inference/<Op>_<i>``)."""
+    rank of its input or gamma's shape is not recorded (``types``: :func:`_types`). The nodes
+    are :class:`passes.onnx.InferenceBatchNormPass`'s, named after the forward
+    BatchNormalization (``<bn>/inference/<Op>_<i>``)."""
     x, gamma, beta, mean, var = bn.input[:5]
-    rank = _rank(graph, x)
-    if rank is None:
+    if x not in types or gamma not in types or not types[x].HasField("shape"):
         return None
-    channels = next(
-        (i.type.tensor_type.shape.dim[0].dim_value for i in graph.input if i.name == gamma), 0
-    )
+    rank = len(types[x].shape.dim)
+    gamma_dims = types[gamma].shape.dim
+    channels = gamma_dims[0].dim_value if len(gamma_dims) == 1 else 0
     if rank > 2 and channels <= 0:
         return None
+    dtype = helper.tensor_dtype_to_np_dtype(types[gamma].elem_type)
     eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
     forward_name = bn.name.removesuffix("_BatchNormInternal")
     prefix = f"{forward_name}/inference"
@@ -105,7 +103,7 @@ def _inference_bn(
         inits.append(numpy_helper.from_array(array, name))
         return name
 
-    scale = op("Div", gamma, op("Sqrt", op("Add", var, const(np.array(eps, dtype=np.float32)))))
+    scale = op("Div", gamma, op("Sqrt", op("Add", var, const(np.array(eps, dtype=dtype)))))
     shift = op("Sub", beta, op("Mul", mean, scale))
     if rank > 2:
         shape = const(np.array([channels] + [1] * (rank - 2), dtype=np.int64))
@@ -160,6 +158,7 @@ def derive_training_graph(
     extra_inits: list[onnx.TensorProto] = []
     if inference_bn:
         params = set(inputs)
+        types = _types(graph)
         grads = {n.input[3]: n for n in nodes if _key(n) == _BN_GRAD and len(n.input) > 3}
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for bn in nodes:
@@ -168,7 +167,7 @@ def derive_training_graph(
             if selected & set(bn.input[1:3]):
                 continue
             grad = grads.get(bn.output[3]) if len(bn.output) > 3 else None
-            rewritten = _inference_bn(graph, bn, grad)
+            rewritten = _inference_bn(types, bn, grad)
             if rewritten is None:
                 return None
             forward, inits, backward = rewritten
