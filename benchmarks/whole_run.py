@@ -9,7 +9,9 @@ The model (a zoo name, exported at --input-size, or an .onnx file) trains on --e
 repeat, side by side in one process: ``full`` (every tensor) and ``elastic`` at ``--rho``,
 alternating which goes first. A run's time is what a user waits for: the ``etgraph.loop.train``
 call, start to end (sessions, selections, reference steps, validation, export). The whole-run
-speedup is full's run time over elastic's, per repeat; the overhead split sums the epochs' log
+speedup is full's run time over elastic's, per repeat, by wall clock and by the process's CPU
+time (on a loaded machine the wall clock follows the other work; sessions do not spin under
+load, so CPU time is the work done); the overhead split sums the epochs' log
 fields (importance, DP, artifacts, sessions, reference steps, the session-options probe) and
 the rest (validation, export). Results: benchmarks/results/whole_run_<model>_<size>.json.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -69,16 +72,20 @@ def model_file(name: str, size: int, work: Path) -> Path:
 
 def one_run(model, profile, config, out: Path) -> dict:
     """Train into ``out``; the run's wall time and its overhead split (s)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = train(model, profile, config, out, progress=False)
-    run_s = time.perf_counter() - t0
+    run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     records = read_log(out)
     parts = {k: float(sum(r.get(k, 0.0) for r in records)) for k in PARTS}
     parts["importance_s"] = float(sum(r["importance_s"] for r in records))
     steps_s = float(sum(r["steps"] * r["measured_step_us"] * 1e-6 for r in records))
+    val_s = float(sum(r["val_s"] for r in records))
     return {
         "run_s": run_s,
+        "run_cpu_s": run_cpu_s,
+        "load_average": os.getloadavg()[0],
         "steps_s": steps_s,
+        "val_s": val_s,
         "parts_s": parts,
         "first_selection_s": result.first_selection_s,
         "val_acc": result.final_val_acc,
@@ -117,7 +124,9 @@ def main() -> None:
                 )
                 runs[strategy].append(one_run(model, profile, config, work / f"{strategy}{r}"))
                 print(f"repeat {r} {strategy}: {runs[strategy][-1]['run_s']:.1f} s", flush=True)
-    speedups = [f["run_s"] / e["run_s"] for f, e in zip(runs["full"], runs["elastic"], strict=True)]
+    pairs = list(zip(runs["full"], runs["elastic"], strict=True))
+    speedups = [f["run_s"] / e["run_s"] for f, e in pairs]
+    cpu_speedups = [f["run_cpu_s"] / e["run_cpu_s"] for f, e in pairs]
     elastic = runs["elastic"]
     shares = {PARTS[k]: [100 * e["parts_s"][k] / e["run_s"] for e in elastic] for k in PARTS}
     rest = [
@@ -129,7 +138,10 @@ def main() -> None:
 
     print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
           f"period {args.period}, rho {args.rho}, {args.repeats} repeats (mean ± std)")  # fmt: skip
-    print(f"whole-run speedup (full run / elastic run): {ms(speedups)}x")
+    print(f"whole-run speedup (full run / elastic run): {ms(speedups)}x wall, "
+          f"{ms(cpu_speedups)}x process CPU time; 1-min load average at the runs' ends "
+          f"{ms([r['load_average'] for v in runs.values() for r in v])} on {os.cpu_count()} "
+          "cores")  # fmt: skip
     print(f"full run {ms([f['run_s'] for f in runs['full']])} s, elastic run "
           f"{ms([e['run_s'] for e in elastic])} s; first selection "
           f"{ms([e['first_selection_s'] for e in elastic])} s")  # fmt: skip
@@ -142,7 +154,8 @@ def main() -> None:
           f"{ms([e['val_acc'] for e in elastic])}")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}.json"
-    out.write_text(json.dumps({"args": vars(args), "runs": runs, "speedups": speedups}, indent=1))
+    payload = {"args": vars(args), "runs": runs, "speedups": speedups, "cpu_speedups": cpu_speedups}
+    out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {out}")
 
 

@@ -60,8 +60,8 @@ from onnxruntime.training import onnxblock
 from passes.base import run_passes
 from passes.onnx import (
     FROZEN_BN_MODES,
-    BakeFrozenParamsPass,
     InferenceBatchNormPass,
+    bake_into,
     bakeable_params,
     eval_model_pipeline,
     frozen_batch_norms,
@@ -70,6 +70,7 @@ from passes.onnx import (
 
 from . import files
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
+from .derive import derive_training_graph
 from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
 from .model import with_batch
 from .onnx_io import model_structure
@@ -294,9 +295,7 @@ def inference_batch_norms(
     Raises:
         ConfigError: unknown ``frozen_bn``.
     """
-    if check_frozen_bn(frozen_bn) == "train":
-        return []
-    return frozen_batch_norms(ir.from_proto(model), requires_grad)
+    return _facts(model).inference_batch_norms(requires_grad, frozen_bn)
 
 
 def with_bn_mode(
@@ -413,15 +412,13 @@ def save_baked(
     """Write a copy of an in-memory training graph with its frozen parameters as constants
     valued from ``weights`` (as :func:`bake_frozen` does to artifacts: what a
     :class:`etgraph.sessions.TrainingSession` runs) to ``path``, the constants raw in
-    ``<path>.data`` beside it (through protobuf a ResNet50 copy costs 0.27 s more to write and
-    open). ``weights``: name -> float32 array of every frozen parameter (running statistics
-    included). Returns ``path``."""
-    model = ir.from_proto(training_model)
-    frozen = bakeable_params(model, weights)
-    if frozen:
-        run_passes(BakeFrozenParamsPass(weights, frozen), model)
+    ``<path>.data`` beside it (:func:`passes.onnx.bake_into`). ``weights``: name -> float32
+    array of every frozen parameter (running statistics included). Returns ``path``."""
+    model = onnx.ModelProto()
+    model.CopyFrom(training_model)
     path = Path(path)
-    ir.save(model, path, external_data=f"{path.name}.data")
+    bake_into(model, weights, bakeable_params(model, weights), path.with_name(f"{path.name}.data"))
+    onnx.save(model, str(path))
     return path
 
 
@@ -432,43 +429,83 @@ def bake_frozen(
     and eval graphs (:func:`passes.onnx.bakeable_params`: parameters without a gradient buffer,
     except the running statistics a training-mode batch norm updates), valued from ``weights``.
 
-    Writes ``training_model.onnx`` and ``eval_model.onnx`` into ``out_dir`` (created) and links
-    (or copies) ``optimizer_model.onnx`` beside them; the session is then opened on ``out_dir``
-    with the checkpoint it would have used. The checkpoint still holds
-    every parameter, so carrying weights is unchanged; the baked values must be the ones that
-    checkpoint holds (the frozen parameters never change during a session).
+    Writes ``training_model.onnx`` and ``eval_model.onnx`` into ``out_dir`` (created), the
+    constants raw beside them (:func:`passes.onnx.bake_into`: ResNet50 through onnx_ir or
+    protobuf took seconds), and links (or copies) ``optimizer_model.onnx`` beside them; the
+    session is then opened on ``out_dir`` with the checkpoint it would have used. The
+    checkpoint still holds every parameter, so carrying weights is unchanged; the baked values
+    must be the ones that checkpoint holds (the frozen parameters never change during a
+    session).
 
     Args:
         directory: artifacts (:func:`generate`).
         weights: name -> value of (at least) every frozen parameter, float32 as in the
             checkpoint (:func:`etgraph.checkpoint.read_checkpoint`).
-        out_dir: where the baked copies go.
+        out_dir: where the baked copies go (``directory`` itself: baked in place).
 
     Returns:
         ``out_dir``, or ``directory`` itself when the training graph has no frozen parameter
         (all-trainable artifacts).
     """
     directory, out_dir = Path(directory), Path(out_dir)
-    training = ir.load(directory / "training_model.onnx")
+    training = onnx.load(str(directory / "training_model.onnx"))  # graphs without weights
     frozen = bakeable_params(training, weights)
     if not frozen:
         return directory
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, model in (("training_model.onnx", training), ("eval_model.onnx", None)):
-        model = model if model is not None else ir.load(directory / name)
-        run_passes(BakeFrozenParamsPass(weights, frozen), model)
-        # The constants go raw beside the graphs (through protobuf: seconds on ResNet50; ViT-B/16
-        # half frozen, the eval graph 0.59 vs 1.6 s). The trained model is exported from the
-        # generated eval graph and a checkpoint (etgraph.loop), never from these.
-        ir.save(model, out_dir / name, external_data=f"{name}.data")
+        model = model if model is not None else onnx.load(str(directory / name))
+        # The trained model is exported from the generated eval graph and a checkpoint
+        # (etgraph.loop), never from these.
+        bake_into(model, weights, frozen, out_dir / f"{name}.data")
+        onnx.save(model, str(out_dir / name))
     target = out_dir / "optimizer_model.onnx"
-    target.unlink(missing_ok=True)
-    try:
-        os.link(directory / target.name, target)
-    except OSError:
-        target.write_bytes((directory / target.name).read_bytes())
+    if target.resolve() != (directory / target.name).resolve():  # else baked in place
+        target.unlink(missing_ok=True)
+        try:
+            os.link(directory / target.name, target)
+        except OSError:
+            target.write_bytes((directory / target.name).read_bytes())
     log.debug("baked %d frozen parameters into %s", len(frozen), out_dir)
     return out_dir
+
+
+def derive(
+    full: onnx.ModelProto,
+    source: ArtifactPaths,
+    requires_grad: Sequence[str],
+    frozen_bn: str,
+    out_dir: str | os.PathLike,
+) -> bool:
+    """Write the three graphs of the selection ``requires_grad`` to ``out_dir`` (atomically),
+    derived from the all-trainable artifacts ``source`` whose training graph ``full`` is
+    (:func:`etgraph.derive.derive_training_graph`; the eval and optimizer graphs are
+    ``source``'s own, linked or copied): what :func:`generate` would write for the same model,
+    loss, weight decay and static batch, without onnxblock. Returns False, writing nothing,
+    when the selection cannot be derived (then generate it).
+
+    Raises:
+        ConfigError: unknown ``frozen_bn``, or ``requires_grad`` empty or not a subset of the
+            source's trainable parameters.
+    """
+    if not requires_grad:
+        raise ConfigError("no tensor is selected for training: select at least one tensor")
+    inference = check_frozen_bn(frozen_bn) == "inference"
+    try:
+        training = derive_training_graph(full, requires_grad, inference_bn=inference)
+    except ValueError as exc:
+        raise ConfigError(f"cannot derive the selection's graphs: {exc}") from exc
+    if training is None:
+        return False
+    with files.atomic_directory(out_dir) as tmp:
+        onnx.save(training, str(tmp / "training_model.onnx"))
+        for name in ARTIFACT_FILES[1:3]:
+            try:
+                os.link(source.directory / name, tmp / name)
+            except OSError:
+                (tmp / name).write_bytes((source.directory / name).read_bytes())
+    log.debug("artifacts for %d trainable tensors derived in %s", len(requires_grad), out_dir)
+    return True
 
 
 def training_graphs(
@@ -537,6 +574,48 @@ def training_graphs(
     return training, optimizer
 
 
+class _ModelFacts:
+    """What artifact keys need of a model's structure, computed once per model object
+    (:func:`_facts`): the sha256 of :func:`etgraph.onnx_io.model_structure` (a copy of the
+    graph: 0.1-0.4 s on ResNet-18 when it was taken per selection) and, per BatchNormalization
+    node that :func:`passes.onnx.frozen_batch_norms` considers, its name and gamma/beta."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.structure_digest = hashlib.sha256(
+            model_structure(model).SerializeToString(deterministic=True)
+        ).digest()
+        candidates = set(frozen_batch_norms(ir.from_proto(model), []))  # 4 initializers
+        self.batch_norms = [
+            (node.name, tuple(node.input[1:3]))
+            for node in model.graph.node
+            if node.name in candidates
+        ]
+
+    def inference_batch_norms(self, requires_grad: Collection[str], frozen_bn: str) -> list[str]:
+        """:func:`inference_batch_norms` from the table."""
+        if check_frozen_bn(frozen_bn) == "train":
+            return []
+        selected = set(requires_grad)
+        return [name for name, params in self.batch_norms if not selected & set(params)]
+
+
+#: The last models :func:`_facts` saw (kept alive, so their ids stay theirs).
+_FACTS: list[tuple[onnx.ModelProto, _ModelFacts]] = []
+_FACTS_KEPT = 4
+
+
+def _facts(model: onnx.ModelProto) -> _ModelFacts:
+    """The :class:`_ModelFacts` of ``model``, memoised for the last few model objects (a model's
+    structure must not be changed in place after its first key)."""
+    for known, facts in _FACTS:
+        if known is model:
+            return facts
+    facts = _ModelFacts(model)
+    _FACTS.insert(0, (model, facts))
+    del _FACTS[_FACTS_KEPT:]
+    return facts
+
+
 def selection_key(
     model: onnx.ModelProto,
     requires_grad: Sequence[str],
@@ -556,11 +635,12 @@ def selection_key(
     Raises:
         ConfigError: unknown ``frozen_bn``.
     """
-    h = hashlib.sha256(model_structure(model).SerializeToString(deterministic=True))
+    facts = _facts(model)
+    h = hashlib.sha256(facts.structure_digest)
     h.update("\0".join(sorted(requires_grad)).encode())
     if loss != "ce":
         h.update(f"\0loss={loss}".encode())
-    inference = inference_batch_norms(model, requires_grad, frozen_bn)
+    inference = facts.inference_batch_norms(requires_grad, frozen_bn)
     if inference:  # keys of all-training-mode artifacts are as before issue #14
         h.update(("\1" + "\0".join(inference)).encode())
     if static_batch is not None:
@@ -580,6 +660,7 @@ class ArtifactCache:
     def __init__(self, root: str | os.PathLike, *, static_batch: StaticBatch | None = None):
         self.root = Path(root)
         self.static_batch = static_batch  # every graph of this cache (generate, selection_key)
+        self._sources: dict[Path, onnx.ModelProto] = {}  # all-trainable training graphs read
 
     def get(
         self,
@@ -589,6 +670,7 @@ class ArtifactCache:
         *,
         frozen_bn: str = "train",
         checkpoint: bool = True,
+        source: ArtifactPaths | None = None,
         **kwargs,
     ) -> tuple[ArtifactPaths, bool]:
         """Return ``(paths, hit)``: cached artifacts for this selection and batch-norm mode
@@ -597,6 +679,9 @@ class ArtifactCache:
         Keyword arguments (``weight_decay``, ``loss``) go to :func:`generate`; the loss is part
         of the key. ``checkpoint=False``: the graphs suffice (a directory without a checkpoint
         is a hit; one is generated again, with its checkpoint, when a later call needs it).
+        ``source``: the all-trainable artifacts of this model, loss and weight decay in this
+        cache: on a miss without ``checkpoint`` the selection's graphs are derived from them
+        (:func:`derive`, milliseconds) instead of generated, unless they cannot be.
         Raises what :func:`generate` raises.
         """
         key = selection_key(
@@ -609,6 +694,12 @@ class ArtifactCache:
         paths = ArtifactPaths(self.root / key)
         if paths.exists(checkpoint):
             return paths, True
+        if source is not None and not checkpoint and source.directory != paths.directory:
+            full = self._sources.get(source.directory)
+            if full is None:
+                full = self._sources[source.directory] = onnx.load(str(source.training_model))
+            if derive(full, source, requires_grad, frozen_bn, paths.directory):
+                return paths, False
         paths = generate(
             model,
             requires_grad,

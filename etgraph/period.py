@@ -172,8 +172,14 @@ class PeriodController:
     ) -> tuple[ArtifactPaths, bool, list[str]]:
         """``(paths, cache hit, trainable tensor names)``: the artifacts of selection ``mask``
         (bool [N], forward order) for the run's weight decay, loss and batch-norm mode (their
-        graphs, unless ``checkpoint``: sessions start from checkpoints the run writes)."""
+        graphs, unless ``checkpoint``: sessions start from checkpoints the run writes). A
+        selection's graphs are derived from the all-trainable artifacts the run holds anyway
+        for importance and the reference steps (:func:`etgraph.artifacts.derive`), not
+        generated; not under a memory budget (no all-trainable artifacts there)."""
         trainable, frozen = self.model.split(mask)
+        source = None
+        if not checkpoint and not self.bounded and not mask.all():
+            source = self.full_artifacts_paths()
         paths, hit = self.cache.get(
             self.model.proto,
             trainable,
@@ -182,13 +188,18 @@ class PeriodController:
             loss=self.model.task.loss,
             frozen_bn=self.config.frozen_bn,
             checkpoint=checkpoint,
+            source=source,
         )
         return paths, hit, trainable
+
+    def full_artifacts_paths(self) -> ArtifactPaths:
+        """The all-trainable artifacts with their checkpoint (:meth:`full_artifacts`)."""
+        return self.artifacts(np.ones(len(self.names), dtype=bool), checkpoint=True)[0]
 
     def full_artifacts(self) -> Path:
         """The directory of the all-trainable artifacts with their checkpoint (importance's,
         the reference steps' and the session-options probe's: one cache entry)."""
-        return self.artifacts(np.ones(len(self.names), dtype=bool), checkpoint=True)[0].directory
+        return self.full_artifacts_paths().directory
 
     def probe_batches(self, period: int) -> list:
         """The probe batches of ``period`` (reproducible from the run seed)."""
@@ -437,8 +448,10 @@ class PeriodController:
             gc.collect()
             release_native_memory()
             memory_log("the selection's checkpoint")
-        else:
-            write_checkpoint(ckpt, carried, trainable, initial_learning_rate=config_lr)
+        else:  # a transient file: the run's own checkpoint is the durable state
+            write_checkpoint(
+                ckpt, carried, trainable, initial_learning_rate=config_lr, durable=False
+            )
         session = TrainingSession(
             paths.directory,
             ckpt,
@@ -447,6 +460,7 @@ class PeriodController:
             input_names=self.model.input_names,
             config=self.options.config,
             bake=not self.bounded,  # under a memory budget (OrtOptions.given)
+            weights=None if isinstance(carried, Path) else carried.weights,
         )
         memory_log("the training session")
         return session, cache_hit, artifacts_s

@@ -329,6 +329,8 @@ class TrainingSession:
             constants valued from ``checkpoint`` (:func:`etgraph.artifacts.bake_frozen`, in a
             temporary directory removed with the session), so ORT optimises the frozen part of
             the network (issue #16); False: the artifacts as generated (benchmarks).
+        weights: the values ``checkpoint`` holds, by name, if the caller has them (baking
+            then does not read the file again); at least every frozen parameter.
 
     Raises:
         RuntimeError: ORT cannot load the artifacts or the checkpoint.
@@ -345,6 +347,7 @@ class TrainingSession:
         input_names: Sequence[str] = (),
         config: OrtConfig | None = None,
         bake: bool = True,
+        weights: Mapping[str, np.ndarray] | None = None,
     ):
         d = Path(directory)
         self.loss = loss
@@ -352,7 +355,8 @@ class TrainingSession:
         self._baked = None
         if bake:
             self._baked = private_temp_dir("baked")
-            weights = read_checkpoint(checkpoint, moments=False)[0].weights  # frozen: no moments
+            if weights is None:  # frozen: no moments
+                weights = read_checkpoint(checkpoint, moments=False)[0].weights
             d = bake_frozen(d, weights, self._baked.name)
             del weights
         self.state = api.CheckpointState.load_checkpoint(str(checkpoint))

@@ -381,7 +381,9 @@ class ElasticTrainer:
         if self.bounded:  # released before importance: the state is in the file
             self._session, self._carried = None, self.checkpoint_path
         else:
-            self._carried, _, _ = read_checkpoint(self.checkpoint_path)
+            # views into the mapped file: importance, the next checkpoint and the baked
+            # constants each copy what they need (no whole-state copy per period)
+            self._carried, _, _ = read_checkpoint(self.checkpoint_path, copy=False)
             if self.controller.recheck_options(self.records, self.rho):
                 self._session = None  # opened again with the new options
         return self._carried
@@ -454,6 +456,7 @@ class ElasticTrainer:
                 self.steps_per_epoch,
                 cfg.reference_budget,
                 self.rho,
+                self.records,
             )
 
         def diverged(step: int, loss: float, lr: float) -> None:

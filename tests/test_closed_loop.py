@@ -171,6 +171,7 @@ def test_closed_loop_run_logs_measured_alike_figures(tmp_path, default_profile, 
         max_val_batches=4,
         closed_loop=True,
         spinning="off",  # no re-check: a change of options legitimately restarts the fit (CI)
+        reference_budget=0.1,  # a reference step in every 30-step period (1% would be rarer)
     )
     result = train(default_model, prof, config, tmp_path / "run", progress=False)
     records = read_log(tmp_path / "run")

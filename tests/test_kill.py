@@ -61,21 +61,23 @@ def die(info):
 
 
 if point == "artifacts":
-    # ORT writes the four artifacts into etgraph's temporary directory, which etgraph renames
-    # into the cache once complete: die in between, with one file cut short (half written).
-    from onnxruntime.training import artifacts as ort_artifacts
+    # etgraph writes a re-selection's graphs (derived from the all-trainable ones) into a
+    # temporary directory it renames into the cache once complete: die in between, with the
+    # training graph cut short (half written).
+    import onnx
 
-    real_generate = ort_artifacts.generate_artifacts
+    real_save = onnx.save
 
-    def generate_artifacts(*args, artifact_directory, **kwargs):
-        real_generate(*args, artifact_directory=artifact_directory, **kwargs)
-        if (out / "checkpoint").exists():  # a re-selection (period >= 1), not the first one
-            tmp = Path(artifact_directory)
-            data = (tmp / "training_model.onnx").read_bytes()
-            (tmp / "training_model.onnx").write_bytes(data[: len(data) // 2])
-            die({"tmp": str(tmp)})
+    def save(proto, f, *args, **kwargs):
+        real_save(proto, f, *args, **kwargs)
+        path = Path(f)
+        temporary = path.parent.name.startswith(".")
+        if path.name == "training_model.onnx" and temporary and (out / "checkpoint").exists():
+            data = path.read_bytes()  # a re-selection (period >= 1), not the first one
+            path.write_bytes(data[: len(data) // 2])
+            die({"tmp": str(path.parent)})
 
-    ort_artifacts.generate_artifacts = generate_artifacts
+    onnx.save = save
 elif point == "checkpoint-tmp":
     # the second checkpoint (after epoch 2) is half written to its temporary file: die
     # before the rename.
@@ -241,7 +243,7 @@ def test_sigkill_during_artifact_generation(
     for d in entries:
         assert _complete_artifacts(d), f"{d} is incomplete: {sorted(os.listdir(d))}"
     assert len(entries) == 2  # the importance (all tensors) and period-0 selections
-    # the half-written set is still in its temporary directory ".<key>.<random>" (generate())
+    # the half-written set is still in its temporary directory ".<key>.<random>" (derive())
     tmp = Path(marker["tmp"])
     assert tmp.parent == cache and tmp.name.startswith(".")
     target = cache / tmp.name.split(".")[1]

@@ -153,6 +153,26 @@ def test_reference_steps_are_counted_over_the_period():
     assert all(0 <= i < 100 for p in many for i in p)
 
 
+def test_short_periods_take_reference_steps_within_the_budget_over_periods():
+    """30-step epochs, period 3, rho 0.5, 1 %: a reference step (two full steps) per period
+    would cost four elastic steps of 90; one every fifth period is the budget."""
+    from etgraph.clock import period_reference_positions, reference_steps_at
+
+    assert sum(map(len, period_reference_positions(30, 3, 0.01, 0.5))) == 1  # nothing yet
+    assert period_reference_positions(30, 3, 0.01, 0.5, since_steps=90) == [frozenset()] * 3
+    assert sum(map(len, period_reference_positions(30, 3, 0.01, 0.5, since_steps=330))) == 1
+    # the default model's 179-step epochs still measure every period
+    assert sum(map(len, period_reference_positions(179, 3, 0.01, 0.5, since_steps=537))) == 1
+    records = [{"steps": 30, "reference_steps": int(e == 1)} for e in range(3)]
+    records += [{"steps": 30, "reference_steps": 0} for _ in range(9)]
+    taken = [
+        sum(len(reference_steps_at(e, p * 3, p * 3 + 3, 30, 0.01, 0.5, records[: p * 3]))
+            for e in range(p * 3, p * 3 + 3))
+        for p in range(1, 5)
+    ]  # fmt: skip
+    assert taken == [0, 0, 0, 1]  # 60, 150, 240 steps since: not yet; 330 + 90: one
+
+
 def test_recheck_after_a_slowdown_chooses_spinning_off_in_a_run_too_short_to_probe(
     monkeypatch,
 ):

@@ -93,10 +93,37 @@ def test_compile_writes_only_the_documented_files(compiled):
     }
     assert {p.name for p in (out / "artifacts").iterdir()} == {
         "training_model.onnx",
+        "training_model.onnx.data",
         "eval_model.onnx",
+        "eval_model.onnx.data",
         "optimizer_model.onnx",
         "checkpoint",
     }
+
+
+def test_artifacts_are_the_baked_form_etgraph_steps(compiled):
+    """The frozen parameters are constants of the emitted graphs (what etgraph's loop runs and
+    its profile measures, issue 31), valued as the checkpoint holds them; plan.json says so."""
+    import onnx
+    from onnx import numpy_helper
+
+    from etgraph.checkpoint import read_checkpoint
+
+    _, out, _ = compiled
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["artifacts_form"] == "baked"
+    art = out / "artifacts"
+    state, trainable, _ = read_checkpoint(art / "checkpoint")
+    assert sorted(trainable) == sorted(plan["trainable_params"])
+    for name in ("training_model.onnx", "eval_model.onnx"):
+        graph = onnx.load(str(art / name)).graph  # external data loaded from beside it
+        inputs = {i.name for i in graph.input}
+        assert set(plan["trainable_params"]) <= inputs
+        constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+        baked = [n for n in plan["frozen_params"] if n in constants]
+        assert baked and not inputs & set(baked)
+        for n in baked:
+            np.testing.assert_array_equal(constants[n], state.weights[n])
 
 
 def test_artifacts_train_as_they_are(compiled):

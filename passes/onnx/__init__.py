@@ -67,7 +67,7 @@ from __future__ import annotations
 from onnx_ir.passes import PassManager
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
-from .bake import BakeFrozenParamsPass, bakeable_params
+from .bake import BakeFrozenParamsPass, bake_into, bakeable_params
 from .batch_dim import FreeBatchDimPass
 from .batch_norm import (
     DEFAULT_FROZEN_BN,
@@ -134,6 +134,7 @@ __all__ = [
     "TrainableBatchNormPass",
     "TrimEvalBatchNormPass",
     "UntieSharedWeightsPass",
+    "bake_into",
     "bakeable_params",
     "eval_model_pipeline",
     "frozen_batch_norms",

@@ -24,13 +24,16 @@ the very checkpoint the session loads, :func:`etgraph.artifacts.bake_frozen`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping
+from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError, PreconditionError
 
-__all__ = ["ACCUMULATION_SUFFIX", "BakeFrozenParamsPass", "bakeable_params"]
+__all__ = ["ACCUMULATION_SUFFIX", "BakeFrozenParamsPass", "bakeable_params", "bake_into"]
 
 #: Suffix of the gradient accumulation buffer input ``generate_artifacts`` adds per trainable
 #: parameter of the training graph.
@@ -40,16 +43,24 @@ ACCUMULATION_SUFFIX = "_grad.accumulation.buffer"
 _UPDATING_BN = {("com.microsoft", "BatchNormInternal"), ("", "BatchNormalization")}
 
 
-def bakeable_params(model: ir.Model, weights: Collection[str]) -> list[str]:
+def bakeable_params(model: ir.Model | onnx.ModelProto, weights: Collection[str]) -> list[str]:
     """Graph inputs of a training graph that are frozen parameters, in input order: named in
     ``weights``, without ``<name>_grad.accumulation.buffer`` input, and not input 3 or 4
-    (running mean / var) of a ``BatchNormInternal`` or ``BatchNormalization`` node."""
-    inputs = [v.name for v in model.graph.inputs]
+    (running mean / var) of a ``BatchNormInternal`` or ``BatchNormalization`` node. ``model``:
+    an onnx_ir model or a ModelProto (:func:`bake_into`)."""
+    if isinstance(model, onnx.ModelProto):
+        inputs = [i.name for i in model.graph.input]
+        nodes = [(n.domain, n.op_type, list(n.input)) for n in model.graph.node]
+    else:
+        inputs = [v.name for v in model.graph.inputs]
+        nodes = [
+            (n.domain, n.op_type, [v.name if v else "" for v in n.inputs]) for n in model.graph
+        ]
     trained = {n[: -len(ACCUMULATION_SUFFIX)] for n in inputs if n.endswith(ACCUMULATION_SUFFIX)}
     updated = set()
-    for node in model.graph:
-        if (node.domain, node.op_type) in _UPDATING_BN:
-            updated.update(v.name for v in node.inputs[3:5] if v is not None)
+    for domain, op_type, node_inputs in nodes:
+        if (domain, op_type) in _UPDATING_BN:
+            updated.update(name for name in node_inputs[3:5] if name)
     names = set(weights)
     return [n for n in inputs if n in names and n not in trained and n not in updated]
 
@@ -98,3 +109,68 @@ class BakeFrozenParamsPass(InPlacePass):
         left = [v.name for v in model.graph.inputs if v.name in set(self.frozen)]
         if left:
             raise PostconditionError(f"frozen parameters still graph inputs: {left[:5]}")
+
+
+#: Alignment (bytes) of each baked tensor in the raw data file (a page: ORT may map it).
+_ALIGN = 4096
+#: Tensors smaller than this (bytes) stay inside the graph (as onnx_ir's external-data save).
+_INLINE_BYTES = 1024
+
+
+def bake_into(
+    model: onnx.ModelProto,
+    weights: Mapping[str, np.ndarray],
+    frozen: Collection[str],
+    data_path: str | os.PathLike,
+) -> onnx.ModelProto:
+    """What :class:`BakeFrozenParamsPass` does, on a ModelProto in place and without an
+    onnx_ir round trip (ResNet50's training graph: 0.2-0.5 s to read and write through
+    onnx_ir; this is milliseconds plus the bytes): the graph inputs named in ``frozen`` become
+    initializers holding ``weights[name]``, written raw to ``data_path`` (created; each tensor
+    page-aligned; those under 1 KiB inline) and referenced as ONNX external data by its file
+    name (save the model in the same directory). Returns ``model``.
+
+    Raises:
+        PreconditionError: a name without a value, or a value whose shape differs from the
+            graph input's static shape.
+    """
+    names = set(frozen)
+    missing = [n for n in frozen if n not in weights]
+    if missing:
+        raise PreconditionError(f"no value for frozen parameters {missing[:5]}")
+    data_path = Path(data_path)
+    graph = model.graph
+    baked = [i for i in graph.input if i.name in names]
+    offset = 0
+    with open(data_path, "wb") as f:
+        for value in baked:
+            array = np.ascontiguousarray(weights[value.name])
+            dims = value.type.tensor_type.shape.dim
+            if dims and all(d.HasField("dim_value") for d in dims):
+                if tuple(d.dim_value for d in dims) != array.shape:
+                    raise PreconditionError(
+                        f"{value.name}: value shape {array.shape} != graph input "
+                        f"{[d.dim_value for d in dims]}"
+                    )
+            tensor = graph.initializer.add()
+            tensor.name = value.name
+            tensor.data_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+            tensor.dims.extend(array.shape)
+            if array.nbytes < _INLINE_BYTES:
+                tensor.raw_data = array.tobytes()
+                continue
+            offset = -(-offset // _ALIGN) * _ALIGN
+            f.seek(offset)
+            f.write(memoryview(array).cast("B"))
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, field in (
+                ("location", data_path.name),
+                ("offset", str(offset)),
+                ("length", str(array.nbytes)),
+            ):
+                tensor.external_data.add(key=key, value=field)
+            offset += array.nbytes
+    for i in reversed(range(len(graph.input))):
+        if graph.input[i].name in names:
+            del graph.input[i]
+    return model
