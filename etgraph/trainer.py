@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,6 +62,7 @@ from .selection import MemoryCosts, check_memory_floor, strategy_mask
 from .sessions import TrainingSession
 from .steps import cosine_learning_rate, epoch_record, train_steps
 from .timing import StepTimeFit, min_feasible_rho
+from .weights import WeightsAccess
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ __all__ = ["ElasticTrainer"]
 INITIAL_CHECKPOINT = "initial.ckpt"
 
 
-class ElasticTrainer:
+class ElasticTrainer(WeightsAccess):
     """Elastic training of one model on one dataset: the period loop of paper §4.
 
     Args:
@@ -574,67 +575,6 @@ class ElasticTrainer:
                 self._mask, carried, self.config.learning_rate
             )
         return self._session
-
-    # -- weights --------------------------------------------------------------------------------
-
-    def _state_file(self) -> Path:
-        """A checkpoint file of the current state (weights, moments, step): the open session's
-        saved to the work directory, else the carried state's file (written there if held)."""
-        path = self.work_dir / "state.ckpt"
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        if self._session is not None and self._session.module is not None:
-            self._session.save(path, {})
-        elif isinstance(self._carried, Path):
-            return self._carried
-        else:
-            write_checkpoint(path, self._carried, sorted(self._carried.moments))
-        return path
-
-    def _state(self) -> CarriedState:
-        """The current state (weights, moments, step)."""
-        if self._session is None and isinstance(self._carried, CarriedState):
-            return self._carried
-        return read_checkpoint(self._state_file())[0]
-
-    def get_weights(self) -> dict[str, np.ndarray]:
-        """Copies of the current value of every parameter: each trainable tensor (kernel, bias,
-        gamma, beta, ...) and each BatchNorm running statistic, by ONNX initializer name; numpy
-        arrays of the initializer's shape and dtype (float32)."""
-        return {k: np.array(v, copy=True) for k, v in self._state().weights.items()}
-
-    def set_weights(self, weights: Mapping[str, np.ndarray], *, reset_moments: bool = False):
-        """Overwrite parameters by initializer name (any subset of :meth:`get_weights`' names),
-        e.g. a federated server's global model. The optimizer's AdamW moments of the tensors set
-        are kept (Keras' ``set_weights``; the step count too), or with ``reset_moments`` zeroed
-        for them (a fresh optimizer). Starts the record of :meth:`trained_weights` anew. The
-        training session is reopened on the new state at the next step.
-
-        Raises:
-            ConfigError: an unknown name, or an array of another shape or dtype than the
-                initializer's.
-        """
-        state = self._state().updated(weights, self.model.proto, reset_moments=reset_moments)
-        self._carried = state
-        if self.bounded:  # the state lives in a file (with the moments it has)
-            path = self.work_dir / "set.ckpt"
-            write_checkpoint(path, state, sorted(state.moments))
-            self._carried = path
-        self._session = None  # reopened on the new state (a baked session holds constants)
-        self._since_set = set()
-        stats = list(self.model.running_stats)
-        self._stats_at_set = {n: np.array(state.weights[n], copy=True) for n in stats}
-
-    def trained_weights(self) -> dict[str, np.ndarray]:
-        """The parameters training may have changed since the last :meth:`set_weights` (or the
-        start): every tensor selected in a period since, and every running statistic whose value
-        changed. Copies, by initializer name (what a federated client uploads)."""
-        weights = self.get_weights()
-        names = set(self._since_set)
-        at_set = self._stats_at_set or {}
-        for name in self.model.running_stats:
-            if name not in at_set or not np.array_equal(at_set[name], weights[name]):
-                names.add(name)
-        return {n: weights[n] for n in weights if n in names}
 
     # -- evaluation and export ------------------------------------------------------------------
 

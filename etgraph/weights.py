@@ -1,0 +1,82 @@
+"""Weights in and out of an elastic trainer (:class:`etgraph.trainer.ElasticTrainer`): every
+parameter by ONNX initializer name as numpy arrays, the tensors trained since a program last set
+them (what a federated client uploads), and the AdamW moments handled as documented. A part of
+the trainer kept in its own module; it reads the trainer's state between periods and its open
+session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
+
+__all__ = ["WeightsAccess"]
+
+
+class WeightsAccess:
+    """:meth:`get_weights`, :meth:`set_weights`, :meth:`trained_weights` of
+    :class:`etgraph.trainer.ElasticTrainer` (which holds ``_session``, ``_carried``,
+    ``work_dir``, ``bounded``, ``model``, ``_since_set`` and ``_stats_at_set``)."""
+
+    def _state_file(self) -> Path:
+        """A checkpoint file of the current state (weights, moments, step): the open session's
+        saved to the work directory, else the carried state's file (written there if held)."""
+        path = self.work_dir / "state.ckpt"
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        if self._session is not None and self._session.module is not None:
+            self._session.save(path, {})
+        elif isinstance(self._carried, Path):
+            return self._carried
+        else:
+            write_checkpoint(path, self._carried, sorted(self._carried.moments))
+        return path
+
+    def _state(self) -> CarriedState:
+        """The current state (weights, moments, step)."""
+        if self._session is None and isinstance(self._carried, CarriedState):
+            return self._carried
+        return read_checkpoint(self._state_file())[0]
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """Copies of the current value of every parameter: each trainable tensor (kernel, bias,
+        gamma, beta, ...) and each BatchNorm running statistic, by ONNX initializer name; numpy
+        arrays of the initializer's shape and dtype (float32)."""
+        return {k: np.array(v, copy=True) for k, v in self._state().weights.items()}
+
+    def set_weights(self, weights: Mapping[str, np.ndarray], *, reset_moments: bool = False):
+        """Overwrite parameters by initializer name (any subset of :meth:`get_weights`' names),
+        e.g. a federated server's global model. The optimizer's AdamW moments of the tensors set
+        are kept (Keras' ``set_weights``; the step count too), or with ``reset_moments`` zeroed
+        for them (a fresh optimizer). Starts the record of :meth:`trained_weights` anew. The
+        training session is reopened on the new state at the next step.
+
+        Raises:
+            ConfigError: an unknown name, or an array of another shape or dtype than the
+                initializer's.
+        """
+        state = self._state().updated(weights, self.model.proto, reset_moments=reset_moments)
+        self._carried = state
+        if self.bounded:  # the state lives in a file (with the moments it has)
+            path = self.work_dir / "set.ckpt"
+            write_checkpoint(path, state, sorted(state.moments))
+            self._carried = path
+        self._session = None  # reopened on the new state (a baked session holds constants)
+        self._since_set = set()
+        stats = list(self.model.running_stats)
+        self._stats_at_set = {n: np.array(state.weights[n], copy=True) for n in stats}
+
+    def trained_weights(self) -> dict[str, np.ndarray]:
+        """The parameters training may have changed since the last :meth:`set_weights` (or the
+        start): every tensor selected in a period since, and every running statistic whose value
+        changed. Copies, by initializer name (what a federated client uploads)."""
+        weights = self.get_weights()
+        names = set(self._since_set)
+        at_set = self._stats_at_set or {}
+        for name in self.model.running_stats:
+            if name not in at_set or not np.array_equal(at_set[name], weights[name]):
+                names.add(name)
+        return {n: weights[n] for n in weights if n in names}
