@@ -199,13 +199,16 @@ class OrtOptions:
             return f"not probed: load average {load:.1f} (other work) >= {cores} cores", "off"
         if PROBE_BUDGET * self.total_steps * rho >= PROBE_COST_FULL_STEPS:
             return None
-        at = f"rho {rho:.2f}" + (
-            " (deadline mode: the probe's estimate, before rho is chosen)"
-            if self.deadline_mode
-            else ""
-        )
+        if rho >= 1.0:
+            steps = f"{self.total_steps} full steps"
+        else:
+            steps = f"{self.total_steps} steps at rho {rho:.2f}" + (
+                " (deadline mode: the probe's estimate, before rho is chosen)"
+                if self.deadline_mode
+                else ""
+            )
         note = (
-            f"not probed: {self.total_steps} steps at {at} are too few to pay "
+            f"not probed: {steps} are too few to pay "
             f"for it (about {PROBE_COST_FULL_STEPS} full steps); "
         )
         if slowdown is not None and slowdown > 1:

@@ -302,10 +302,17 @@ class PeriodController:
                 self._evaluator.config = config
                 self._evaluator.close()
 
+    def _steps_rho(self, rho: float) -> float:
+        """The fraction of the full step the run's steps take (1 under the full strategy)."""
+        return 1.0 if self.config.strategy == "full" else rho
+
     def choose_options(self, rho: float) -> None:
         """Choose the session options at the run's start (:meth:`OrtOptions.choose`)."""
         changed, winner = self.options.choose(
-            rho, self.full_artifacts, self.probe_batches(0)[0], self.model.input_names
+            self._steps_rho(rho),
+            self.full_artifacts,
+            self.probe_batches(0)[0],
+            self.model.input_names,
         )
         self.use_options(changed, winner)
 
@@ -315,7 +322,7 @@ class PeriodController:
         changed, winner = self.options.recheck(
             records,
             self.config.period,
-            rho,
+            self._steps_rho(rho),
             self.full_artifacts,
             self.probe_batches(0)[0],
             self.model.input_names,
