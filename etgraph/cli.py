@@ -40,7 +40,7 @@ from .errors import (
 )
 from .federated.cli import federate_command
 from .files import sweep_stale_temp_dirs
-from .host import check_address_space, exit_on_sigterm
+from .host import exit_on_sigterm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_sigterm()  # temporary directories and partial files are removed on SIGTERM too
     sweep_stale_temp_dirs()  # and those of killed etgraph processes at the next start
     try:
-        check_address_space()  # below it torch's import aborts the process (no Python error)
         cli.main(args=args, prog_name="etgraph", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo(f"etgraph: interrupted{_resume_hint(args)}", err=True)
