@@ -28,7 +28,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -207,18 +207,23 @@ class TrainResult:
 COMPILED_FILES = ("plan.json", "model.onnx")
 
 
-def prepare_run_dir(out: Path) -> Path:
+def prepare_run_dir(out: Path, inputs: Iterable = ()) -> Path:
     """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`), not
     a compiled directory and not holding another run. A run that saved no checkpoint (it failed
     or was stopped before its first period ended) kept nothing: the new run starts over there.
 
+    Args:
+        inputs: the run's input files (model, data, tokenizer; None entries skipped), which no
+            run file may replace.
+
     Raises:
-        ConfigError: ``out`` cannot be written, holds a special file where a run file goes, is a
-            compiled directory (a run would overwrite its profile and artifacts), or holds a run
-            (continue it with ``--resume``).
+        ConfigError: ``out`` cannot be written, holds a special file or one of ``inputs`` where
+            a run file goes, is a compiled directory (a run would overwrite its profile and
+            artifacts), or holds a run (continue it with ``--resume``).
     """
     files.ensure_writable_dir(out, "--out")
-    files.check_outputs([out / name for name in _ATOMIC_FILES], "--out")
+    run_files = (*_ATOMIC_FILES, PROFILE_FILE, MEMORY_FILE)
+    files.check_outputs([out / name for name in run_files], "--out", inputs=inputs)
     if any((out / name).exists() for name in COMPILED_FILES):
         raise ConfigError(
             f"{out} is a compiled directory (etgraph compile): train into another --out, "
