@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import networkx as nx
 import numpy as np
 import onnx
 
@@ -176,61 +177,26 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         )
     cache_dir = cache_dir if cache_dir is not None else profile.default_cache_dir()
     log.info("%s: %d trainable tensors, inputs %s", model.source.name, len(model.tensors), shapes)
-    with private_temp_dir("compile") as work:
-        # One cache for the graph and the profiler: the all-trainable artifacts are generated
-        # once and the tensor-graph passes run once.
-        cache = ArtifactCache(work)
-        say(f"building the tensor graph of {len(model.tensors)} tensors")
-        with exported_batch_hint(model.proto, batch_size):
-            tensor_graph = graph.build_tensor_graph(
-                model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
-            )
-        say("profiling the backward pass on this device (cached)")
-        prof = profiler.profile_model(
-            model,
-            batch_size=batch_size,
-            input_shapes=shapes,
-            level=profile_level,
-            repeats=repeats,
-            threads=threads,
-            cache_dir=cache_dir,
-            tensor_graph=tensor_graph,
-            artifact_cache=cache,
-        )
-        if prof.cached_from:
-            say(f"profile from the cache ({prof.cached_from})")
-        mem_prof: MemoryProfile | None = None
-        if memory_mb is not None:
-            say("measuring the memory model (cached)")
-            mem_prof = memory_profiler.profile_memory(
-                model,
-                batch_size=batch_size,
-                input_shapes=shapes,
-                threads=prof.threads,
-                cache_dir=cache_dir,
-                artifact_cache=cache,
-                frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
-            )
+    tensor_graph, prof, mem_prof = _graph_and_timings(
+        model,
+        batch_size,
+        shapes,
+        profile_level=profile_level,
+        repeats=repeats,
+        threads=threads,
+        cache_dir=cache_dir,
+        frozen_bn=frozen_bn,
+        with_memory=memory_mb is not None,
+        say=say,
+    )
     memory = None
     if mem_prof is not None:
         memory = selection.MemoryCosts.from_profile(
             mem_prof, memory_mb, resolution_mb=memory_resolution_mb
         )
-    if data is None:
-        importance = data_free_importance(list(model.tensors))
-        importance_source = "data-free prior: parameter share"
-    else:
-        say(f"importance on a probe batch of {data}")
-        importance = probe_importance(
-            model,
-            data,
-            batch_size=batch_size,
-            input_shapes=shapes,
-            tokenizer=tokenizer,
-            preprocess=preprocess,
-            dataset=dataset,
-        )
-        importance_source = f"first-order importance on a probe batch of {data}"
+    importance, importance_source = _importance(
+        model, data, batch_size, shapes, tokenizer, preprocess, dataset, say
+    )
     say(f"selecting tensors under rho {rho:g} (DP, paper Eq. 3)")
     time_model = prof.for_frozen_bn(frozen_bn)  # the artifacts' batch-norm mode
     chosen = selection.select_for_rho(
@@ -255,6 +221,79 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         memory_resolution_mb=memory_resolution_mb if memory_mb is not None else None,
         tensor_graph=tensor_graph,
     )
+
+
+def _graph_and_timings(
+    model: LoadedModel,
+    batch_size: int,
+    shapes,
+    *,
+    profile_level: str,
+    repeats: int | None,
+    threads: int | None,
+    cache_dir,
+    frozen_bn: str,
+    with_memory: bool,
+    say: Callable[[str], None],
+) -> tuple[nx.DiGraph, profile.Profile, MemoryProfile | None]:
+    """The tensor graph, the time model and (``with_memory``) the memory model of ``model`` at
+    this batch and shapes, measured on this device (profiles cached in ``cache_dir``)."""
+    with private_temp_dir("compile") as work:
+        # One cache for the graph and the profiler: the all-trainable artifacts are generated
+        # once and the tensor-graph passes run once.
+        cache = ArtifactCache(work)
+        say(f"building the tensor graph of {len(model.tensors)} tensors")
+        with exported_batch_hint(model.proto, batch_size):
+            tensor_graph = graph.build_tensor_graph(
+                model.with_batch(batch_size, shapes), cache=cache, loss=model.task.loss
+            )
+        say("profiling the backward pass on this device (cached)")
+        prof = profiler.profile_model(
+            model,
+            batch_size=batch_size,
+            input_shapes=shapes,
+            level=profile_level,
+            repeats=repeats,
+            threads=threads,
+            cache_dir=cache_dir,
+            tensor_graph=tensor_graph,
+            artifact_cache=cache,
+        )
+        if prof.cached_from:
+            say(f"profile from the cache ({prof.cached_from})")
+        mem_prof: MemoryProfile | None = None
+        if with_memory:
+            say("measuring the memory model (cached)")
+            mem_prof = memory_profiler.profile_memory(
+                model,
+                batch_size=batch_size,
+                input_shapes=shapes,
+                threads=prof.threads,
+                cache_dir=cache_dir,
+                artifact_cache=cache,
+                frozen_bn=frozen_bn,  # measured in the mode the artifacts will run
+            )
+    return tensor_graph, prof, mem_prof
+
+
+def _importance(
+    model: LoadedModel, data, batch_size, shapes, tokenizer, preprocess, dataset, say
+) -> tuple[np.ndarray, str]:
+    """The tensors' importance (float64 [N], forward order) and where it came from: measured
+    on a probe batch of ``data`` (paper Eq. 2), or :func:`data_free_importance` without data."""
+    if data is None:
+        return data_free_importance(list(model.tensors)), "data-free prior: parameter share"
+    say(f"importance on a probe batch of {data}")
+    importance = probe_importance(
+        model,
+        data,
+        batch_size=batch_size,
+        input_shapes=shapes,
+        tokenizer=tokenizer,
+        preprocess=preprocess,
+        dataset=dataset,
+    )
+    return importance, f"first-order importance on a probe batch of {data}"
 
 
 @dataclass

@@ -230,6 +230,51 @@ def has_fused_bias_grad(training_model) -> bool:
     )
 
 
+def _fast_configurations(
+    model: LoadedModel, full: onnx.ModelProto, bn_layers
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The fast level's configurations (:mod:`etgraph.profiler`, "Profiling levels"): selection
+    mask per configuration (``full`` first) and the batch-norm mode of each configuration
+    measured in inference mode. ``full``: the all-trainable training graph."""
+    n = len(model.names)
+    masks = {"full": selection_mask(n, range(n))}
+    frozen_bn = {}
+    if n > 1:
+        masks["first_only"] = selection_mask(n, [0])
+        if bn_layers:  # the batch norms' inference mode is measured in the same graph
+            frozen_bn["first_only"] = "inference"
+        no_kernels = [t.index for t in model.tensors if t.kind != "kernel"]
+        if has_fused_bias_grad(full) and 0 < len(no_kernels) < n:
+            # splits a fused node's dB from its dX
+            masks["no_kernels"] = selection_mask(n, no_kernels)
+    if n > 2:
+        masks["last_only"] = selection_mask(n, [n - 1])
+        if bn_layers:  # the frozen forward of --frozen-bn inference as training runs it: baked
+            masks["last_only_inference"] = masks["last_only"]
+            frozen_bn["last_only_inference"] = "inference"
+    return masks, frozen_bn
+
+
+def _fast_training_graphs(
+    model: LoadedModel, light, full, masks, frozen_bn, weights, work: Path
+) -> dict:
+    """The training graph of each configuration, built in memory from ``light`` (the model
+    without weights); ``full`` is the all-trainable one. The ``last_only`` graphs are saved
+    with their frozen parameters baked in, as training sessions run them."""
+    graphs_in = {"full": full}
+    for c, m in masks.items():
+        if c not in graphs_in:
+            graphs_in[c], _ = training_graphs(
+                light, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn.get(c, "train")
+            )
+    # The last_only steps as training sessions run them: frozen parameters baked in
+    # (etgraph.artifacts.bake_frozen); only their step times are used.
+    for c in ("last_only", "last_only_inference"):
+        if c in graphs_in:
+            graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")
+    return graphs_in
+
+
 def measure_fast(
     model: LoadedModel,
     model_b,
@@ -253,38 +298,15 @@ def measure_fast(
     names = model.names
     n = len(names)
     loss = model.task.loss
-    masks = {"full": selection_mask(n, range(n))}
-    light = placeholder_weights(model_b, model.names + model.split(masks["full"])[1])  # once
+    full_mask = selection_mask(n, range(n))
+    light = placeholder_weights(model_b, model.names + model.split(full_mask)[1])  # once
     if full_artifacts is not None:
         full = onnx.load(str(full_artifacts / "training_model.onnx"), load_external_data=False)
         optimizer_model = full_artifacts / "optimizer_model.onnx"
     else:
-        full, optimizer_model = training_graphs(light, *model.split(masks["full"]), loss=loss)
-    graphs_in = {"full": full}
-    frozen_bn = {}
-    if n > 1:
-        masks["first_only"] = selection_mask(n, [0])
-        if bn_layers:  # the batch norms' inference mode is measured in the same graph
-            frozen_bn["first_only"] = "inference"
-        no_kernels = [t.index for t in model.tensors if t.kind != "kernel"]
-        if has_fused_bias_grad(full) and 0 < len(no_kernels) < n:
-            # splits a fused node's dB from its dX
-            masks["no_kernels"] = selection_mask(n, no_kernels)
-    if n > 2:
-        masks["last_only"] = selection_mask(n, [n - 1])
-        if bn_layers:  # the frozen forward of --frozen-bn inference as training runs it: baked
-            masks["last_only_inference"] = masks["last_only"]
-            frozen_bn["last_only_inference"] = "inference"
-    for c, m in masks.items():
-        if c not in graphs_in:
-            graphs_in[c], _ = training_graphs(
-                light, *model.split(m), loss=loss, frozen_bn=frozen_bn.get(c, "train")
-            )
-    # The last_only steps as training sessions run them: frozen parameters baked in
-    # (etgraph.artifacts.bake_frozen); only their step times are used.
-    for c in ("last_only", "last_only_inference"):
-        if c in graphs_in:
-            graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")
+        full, optimizer_model = training_graphs(light, *model.split(full_mask), loss=loss)
+    masks, frozen_bn = _fast_configurations(model, full, bn_layers)
+    graphs_in = _fast_training_graphs(model, light, full, masks, frozen_bn, weights, work)
     params = {name: np.asarray(weights[name], dtype=np.float32) for name in names}
     zeros: dict[str, np.ndarray] = {}
     try:

@@ -216,18 +216,9 @@ def profile_model(
         ConfigError: bad batch size, input shape, level, repeats, threads or clock.
         ProfileMismatchError: a cached profile under this key belongs to another setting.
     """
-    if batch_size <= 0:
-        raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
-    check_level(level)
-    repeats = LEVELS[level][0] if repeats is None else int(repeats)
-    warmup = LEVELS[level][1] if warmup is None else int(warmup)
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    threads = physical_cores() if threads is None else int(threads)
-    if threads < 1:
-        raise ConfigError(f"threads must be >= 1, got {threads}")
-    threads = usable_threads(threads)  # the profile records the threads it measured with
-    step_clock(clock, threads)
+    repeats, warmup, threads = _measurement_settings(
+        batch_size, level, repeats, warmup, threads, clock
+    )
     shapes = model.input_shapes(input_shapes)
     check_step_fits(model, batch_size, shapes)  # before anything is allocated
     loss = model.task.loss
@@ -283,8 +274,40 @@ def profile_model(
         level,
         prof.load_average,
     )
+    _warn_if_loaded(prof.load_average, threads)
+    if cache_path is not None:
+        prof.save(cache_path)
+    return prof
+
+
+def _measurement_settings(
+    batch_size: int, level: str, repeats, warmup, threads, clock: str
+) -> tuple[int, int, int]:
+    """``(repeats, warmup, threads)`` as the profile measures with: the level's defaults where
+    None, threads as this process can use them.
+
+    Raises:
+        ConfigError: bad batch size, level, repeats, warmup, threads or clock.
+    """
+    if batch_size <= 0:
+        raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
+    check_level(level)
+    repeats = LEVELS[level][0] if repeats is None else int(repeats)
+    warmup = LEVELS[level][1] if warmup is None else int(warmup)
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    threads = physical_cores() if threads is None else int(threads)
+    if threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {threads}")
+    threads = usable_threads(threads)  # the profile records the threads it measured with
+    step_clock(clock, threads)
+    return repeats, warmup, threads
+
+
+def _warn_if_loaded(load_average: float | None, threads: int) -> None:
+    """Warn when other work alone filled the cores while profiling with ``threads`` threads."""
     cores = len(os.sched_getaffinity(0))
-    if prof.load_average is not None and prof.load_average - threads >= cores:
+    if load_average is not None and load_average - threads >= cores:
         # Other work alone filled the cores (the profiler's own threads count up to `threads`):
         # at load >= 6 on 2 cores every kernel longer than a time slice was stretched in every
         # run (docs/results.md, "Time model validation"); the closed loop re-fits the scale, not
@@ -292,12 +315,9 @@ def profile_model(
         log.warning(
             "profiled at load average %.1f on %d cores: other work may have stretched the "
             "measured times; profile again on a quieter machine for a sharper time model",
-            prof.load_average,
+            load_average,
             cores,
         )
-    if cache_path is not None:
-        prof.save(cache_path)
-    return prof
 
 
 def _profile(
@@ -404,18 +424,7 @@ def fold(
         log.info("config %s: step %.0f us", c, us)
     numel = np.array([weights[name].size for name in names], dtype=np.float64)
 
-    charges = graph.charges(tensor_graph) if tensor_graph is not None else {}
-    if not set(node_times["full"]) <= set(charges):
-        if tensor_graph is not None:
-            # ORT numbers some node names per process (the loss node): a graph built from
-            # another generation of the training model names them differently.
-            log.info("the given tensor graph is of another training model: building it again")
-        # Built once, from the training model just profiled.
-        charges = graph.charges(
-            graph.build_tensor_graph(
-                model_b, training_model=measured.full_training_model, loss=loss
-            )
-        )
+    charges = _charges(model_b, measured, tensor_graph, loss)
     carried = {t.name: t.values for t in model.tensors}
     charged = charge_node_times(node_times, charges, names, node_overhead, carried)
     t_dw = charged.t_dw_us + opt_fit.tensor_us(numel)
@@ -434,14 +443,9 @@ def fold(
     step_overhead = calibrate(
         [explained[c] for c in measured.calibrate], [steps[c] for c in measured.calibrate]
     )
-    # Forward work that only a training graph does (activations kept, no fusion): saved when
-    # no gradient passes the layer, so it belongs on t_dy of the layer's anchor tensor.
-    by_anchor = forward_us_by_anchor(model_b, charged.rows, names, node_overhead)
-    forward_saved = 0.0
-    if "last_only" in steps:
-        forward_saved = saved_forward_fraction(
-            step_overhead, steps["last_only"] - explained["last_only"], by_anchor[:-1].sum()
-        )
+    by_anchor, forward_saved = _saved_forward(
+        model_b, charged.rows, names, node_overhead, step_overhead, steps, explained
+    )
     moved = forward_saved * by_anchor
     t_dy = t_dy + moved
     forward_pass -= moved.sum()
@@ -450,14 +454,7 @@ def fold(
         log.warning("negative constant step time %.0f us; clamping to 0", forward_us)
         forward_us = 0.0
 
-    checks = {
-        c: {
-            "measured_us": steps[c],
-            "predicted_us": step_us(masks[c], t_dw, t_dy, forward_us, branches),
-            "trainable": int(masks[c].sum()),
-        }
-        for c in steps
-    }
+    checks = _checks(masks, steps, t_dw, t_dy, forward_us, branches)
     prof = Profile(
         model_hash=model.hash,
         tensors=names,
@@ -492,6 +489,54 @@ def fold(
     )
     _inference_mode(prof, masks, steps, measured.frozen_bn, by_anchor, forward_saved)
     return prof
+
+
+def _charges(model_b, measured: Measured, tensor_graph: nx.DiGraph | None, loss: str) -> dict:
+    """The charge of every node of the profiled ``full`` training graph
+    (:func:`etgraph.graph.charges`): from ``tensor_graph`` when its node names are those of the
+    profiled graph, else from a tensor graph built once from that training model."""
+    charges = graph.charges(tensor_graph) if tensor_graph is not None else {}
+    if not set(measured.node_times["full"]) <= set(charges):
+        if tensor_graph is not None:
+            # ORT numbers some node names per process (the loss node): a graph built from
+            # another generation of the training model names them differently.
+            log.info("the given tensor graph is of another training model: building it again")
+        # Built once, from the training model just profiled.
+        charges = graph.charges(
+            graph.build_tensor_graph(
+                model_b, training_model=measured.full_training_model, loss=loss
+            )
+        )
+    return charges
+
+
+def _saved_forward(
+    model_b, rows, names, node_overhead: float, step_overhead: float, steps, explained
+) -> tuple[np.ndarray, float]:
+    """``(by_anchor, forward_saved)`` (module docstring, step 6): the training-only forward
+    work per anchor tensor, µs float64 [N], and the share of it the ``last_only`` step saves
+    (0 when that step was not measured)."""
+    # Forward work that only a training graph does (activations kept, no fusion): saved when
+    # no gradient passes the layer, so it belongs on t_dy of the layer's anchor tensor.
+    by_anchor = forward_us_by_anchor(model_b, rows, names, node_overhead)
+    forward_saved = 0.0
+    if "last_only" in steps:
+        forward_saved = saved_forward_fraction(
+            step_overhead, steps["last_only"] - explained["last_only"], by_anchor[:-1].sum()
+        )
+    return by_anchor, forward_saved
+
+
+def _checks(masks, steps, t_dw, t_dy, forward_us: float, branches) -> dict[str, dict]:
+    """Measured vs predicted step, µs, and trainable tensors of each configuration timed."""
+    return {
+        c: {
+            "measured_us": steps[c],
+            "predicted_us": step_us(masks[c], t_dw, t_dy, forward_us, branches),
+            "trainable": int(masks[c].sum()),
+        }
+        for c in steps
+    }
 
 
 def _inference_mode(prof: Profile, masks, steps, frozen_bn, by_anchor, forward_saved) -> None:
