@@ -240,6 +240,83 @@ def _fb_vector(builder, start, offsets: list[int]) -> int:
     return builder.EndVector()
 
 
+def _fb_module_state(builder, weights: Mapping[str, np.ndarray], trainable: set[str]) -> int:
+    """The ModuleState: every weight, those in ``trainable`` as trainable, the rest frozen."""
+    train_offs, frozen_offs = [], []
+    for name in sorted(weights):
+        off = _fb_tensor(builder, name, weights[name])
+        (train_offs if name in trainable else frozen_offs).append(off)
+    train_vec = _fb_vector(builder, fbs.ModuleState.StartRequiresGradParamsVector, train_offs)
+    frozen_vec = _fb_vector(builder, fbs.ModuleState.StartFrozenParamsVector, frozen_offs)
+    fbs.ModuleState.Start(builder)
+    fbs.ModuleState.AddRequiresGradParams(builder, train_vec)
+    fbs.ModuleState.AddFrozenParams(builder, frozen_vec)
+    fbs.ModuleState.AddIsNominalState(builder, False)
+    fbs.ModuleState.AddHasExternalData(builder, False)
+    return fbs.ModuleState.End(builder)
+
+
+def _fb_parameter_moments(
+    builder, name: str, weight: np.ndarray, carried: Mapping[str, np.ndarray]
+) -> int:
+    """The ParameterOptimizerState of tensor ``name``: its ``carried`` moments, zeros for a
+    missing one (a newly trained tensor; never materialised).
+
+    Raises:
+        ConfigError: a carried moment's shape differs from the weight's.
+    """
+    moment_offs = []
+    for moment in MOMENT_NAMES:
+        value = carried.get(moment)
+        if value is None:
+            moment_offs.append(_fb_tensor(builder, moment, np.asarray(weight), zeros=True))
+            continue
+        if value.shape != weight.shape:
+            raise ConfigError(f"moment {moment} of {name!r} has shape {value.shape}")
+        moment_offs.append(_fb_tensor(builder, moment, value))
+    moments_vec = _fb_vector(builder, fbs.ParameterOptimizerState.StartMomentumsVector, moment_offs)
+    name_off = builder.CreateString(name)
+    fbs.ParameterOptimizerState.Start(builder)
+    fbs.ParameterOptimizerState.AddParamName(builder, name_off)
+    fbs.ParameterOptimizerState.AddMomentums(builder, moments_vec)
+    return fbs.ParameterOptimizerState.End(builder)
+
+
+def _fb_optimizer_groups(
+    builder, state: CarriedState, trainable: Sequence[str], initial_learning_rate: float
+) -> int:
+    """The optimizer groups vector: one group ``group0`` with ``state.step`` and the moments of
+    every ``trainable`` tensor (:func:`_fb_parameter_moments`)."""
+    param_offs = [
+        _fb_parameter_moments(builder, name, state.weights[name], state.moments.get(name, {}))
+        for name in trainable
+    ]
+    states_vec = _fb_vector(builder, fbs.OptimizerGroup.StartOptimizerStatesVector, param_offs)
+    group_name = builder.CreateString("group0")
+    fbs.OptimizerGroup.Start(builder)
+    fbs.OptimizerGroup.AddGroupName(builder, group_name)
+    fbs.OptimizerGroup.AddStep(builder, int(state.step))
+    fbs.OptimizerGroup.AddInitialLearningRate(builder, float(initial_learning_rate))
+    fbs.OptimizerGroup.AddOptimizerStates(builder, states_vec)
+    group_off = fbs.OptimizerGroup.End(builder)
+    return _fb_vector(builder, fbs.Checkpoint.StartOptimizerGroupsVector, [group_off])
+
+
+def _fb_property_bag(builder, properties: Mapping[str, str]) -> int:
+    """A PropertyBag of string ``properties`` (sorted by key)."""
+    prop_offs = []
+    for key, value in sorted(properties.items()):
+        k_off, v_off = builder.CreateString(key), builder.CreateString(value)
+        fbs.StringProperty.Start(builder)
+        fbs.StringProperty.AddName(builder, k_off)
+        fbs.StringProperty.AddValue(builder, v_off)
+        prop_offs.append(fbs.StringProperty.End(builder))
+    strings_vec = _fb_vector(builder, fbs.PropertyBag.StartStringsVector, prop_offs)
+    fbs.PropertyBag.Start(builder)
+    fbs.PropertyBag.AddStrings(builder, strings_vec)
+    return fbs.PropertyBag.End(builder)
+
+
 def write_checkpoint(
     path: str | os.PathLike,
     state: CarriedState,
@@ -284,65 +361,11 @@ def write_checkpoint(
     if optimizer_state:
         payload += 2 * sum(np.asarray(state.weights[n]).nbytes for n in trainable)
     b = _builder(payload + 256 * (3 * len(state.weights) + 16) + (1 << 16))
-    train_offs, frozen_offs = [], []
-    for name in sorted(state.weights):
-        off = _fb_tensor(b, name, state.weights[name])
-        (train_offs if name in trainable else frozen_offs).append(off)
-    train_vec = _fb_vector(b, fbs.ModuleState.StartRequiresGradParamsVector, train_offs)
-    frozen_vec = _fb_vector(b, fbs.ModuleState.StartFrozenParamsVector, frozen_offs)
-    fbs.ModuleState.Start(b)
-    fbs.ModuleState.AddRequiresGradParams(b, train_vec)
-    fbs.ModuleState.AddFrozenParams(b, frozen_vec)
-    fbs.ModuleState.AddIsNominalState(b, False)
-    fbs.ModuleState.AddHasExternalData(b, False)
-    module_off = fbs.ModuleState.End(b)
-
+    module_off = _fb_module_state(b, state.weights, trainable)
     groups_vec = None
     if optimizer_state:
-        param_offs = []
-        for name in sorted(trainable):
-            weight = state.weights[name]
-            carried = state.moments.get(name, {})
-            moment_offs = []
-            for moment in MOMENT_NAMES:
-                value = carried.get(moment)
-                if value is None:  # a newly trained tensor: zero moments, never materialised
-                    moment_offs.append(_fb_tensor(b, moment, np.asarray(weight), zeros=True))
-                    continue
-                if value.shape != weight.shape:
-                    raise ConfigError(f"moment {moment} of {name!r} has shape {value.shape}")
-                moment_offs.append(_fb_tensor(b, moment, value))
-            moments_vec = _fb_vector(
-                b, fbs.ParameterOptimizerState.StartMomentumsVector, moment_offs
-            )
-            name_off = b.CreateString(name)
-            fbs.ParameterOptimizerState.Start(b)
-            fbs.ParameterOptimizerState.AddParamName(b, name_off)
-            fbs.ParameterOptimizerState.AddMomentums(b, moments_vec)
-            param_offs.append(fbs.ParameterOptimizerState.End(b))
-        states_vec = _fb_vector(b, fbs.OptimizerGroup.StartOptimizerStatesVector, param_offs)
-        group_name = b.CreateString("group0")
-        fbs.OptimizerGroup.Start(b)
-        fbs.OptimizerGroup.AddGroupName(b, group_name)
-        fbs.OptimizerGroup.AddStep(b, int(state.step))
-        fbs.OptimizerGroup.AddInitialLearningRate(b, float(initial_learning_rate))
-        fbs.OptimizerGroup.AddOptimizerStates(b, states_vec)
-        group_off = fbs.OptimizerGroup.End(b)
-        groups_vec = _fb_vector(b, fbs.Checkpoint.StartOptimizerGroupsVector, [group_off])
-
-    bag_off = None
-    if properties:
-        prop_offs = []
-        for key, value in sorted(properties.items()):
-            k_off, v_off = b.CreateString(key), b.CreateString(value)
-            fbs.StringProperty.Start(b)
-            fbs.StringProperty.AddName(b, k_off)
-            fbs.StringProperty.AddValue(b, v_off)
-            prop_offs.append(fbs.StringProperty.End(b))
-        strings_vec = _fb_vector(b, fbs.PropertyBag.StartStringsVector, prop_offs)
-        fbs.PropertyBag.Start(b)
-        fbs.PropertyBag.AddStrings(b, strings_vec)
-        bag_off = fbs.PropertyBag.End(b)
+        groups_vec = _fb_optimizer_groups(b, state, sorted(trainable), initial_learning_rate)
+    bag_off = _fb_property_bag(b, properties) if properties else None
 
     fbs.Checkpoint.Start(b)
     fbs.Checkpoint.AddVersion(b, 2)  # the version ORT 1.19.2 writes and reads

@@ -20,7 +20,7 @@ from .artifacts import check_frozen_bn
 from .data import Dataset, as_dataset
 from .errors import ConfigError, DataError, ProfileMismatchError
 from .images import DEFAULT_PREPROCESS, Preprocess
-from .importance import check_importance_variant
+from .importance_rules import check_importance_variant
 from .memory import check_step_fits
 from .selection import BUDGETED_STRATEGIES, STRATEGIES
 from .sessions import TRAIN_CANDIDATES

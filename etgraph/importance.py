@@ -1,50 +1,15 @@
-"""First-order tensor importance (paper §3.1 Eq. 2 and §4).
+"""Tensor importance evaluated in ORT sessions (paper §3.1 Eq. 2 and §4).
 
-The importance of tensor ``k`` is the first-order Taylor estimate of how much one update of its
-weights reduces the training loss::
-
-    I_k = -sum_i g_i * delta_w_i        (g = dL/dw at the current weights, i over tensor k)
-
-``L(w + delta_w) ~= L(w) + sum_i g_i delta_w_i`` (paper Eq. 5), so ``I_k`` is the loss drop
-attributed to tensor ``k``; the terms are additive over tensors, which is what lets the DP of
-Eq. (3) sum importances of a selection. (The paper writes Eq. 2 without the minus sign and takes
-its negative when selecting; here the sign is folded in so that larger = more useful.)
-
-**Which update defines delta_w** (``variant``, :data:`IMPORTANCE_VARIANTS`; the run's
-``TrainConfig.importance``). The runtime trains with ORT's AdamW (onnxruntime-training 1.19.2
-runs only AdamW and momentum-less SGD; Hugging Face mode, ``adam_mode=1``): at step ``t`` (the
-run's global step count + 1; ORT keeps one optimizer group) with the probe gradient ``g``::
-
-    m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2
-    w1 = w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m' / (sqrt(v') + eps),   w2 = w1 - lr * wd * w1
-
-* ``"adam"`` (default) — delta_w = ``w2 - w``, the step the run's optimizer takes next
-  (:func:`adamw_step`): a tensor that trained in the last period with the moments ``m, v`` the
-  run carries (:class:`etgraph.checkpoint.CarriedState`); a tensor that did not with zero
-  moments at the run's step count — exactly what the loop starts a newly selected tensor
-  from. At the first period (no moments, ``t = 1``) this is ``"first-step"``. A tensor whose
-  momentum disagrees with the probe gradient scores low or negative; one whose gradient is
-  noisy scores by its signal-to-noise ratio (``|m| / sqrt(v)``), not by its size alone. It
-  predicts each tensor's one-step loss drop on the probe batch within 1% (median) and ranks
-  the tensors by their drop on another batch best of the variants (issue 30's
-  ``benchmarks/importance_proxy.py``, docs/results.md "Quality ablation").
-* ``"first-step"`` — AdamW's first step from zero moments at ``t = 1`` for every
-  tensor (the rule before issue 30), ``delta_w = -lr * (g / (|g| + eps_eff) + weight_decay *
-  w)`` with ``eps_eff = eps / sqrt(1 - b2)`` ~= 3.2e-5, hence ``I_k ~= lr * ||g_k||_1``: every
-  weight moves by ``lr`` whatever the run has learned about its gradient, so the score grows
-  with the tensor's size. It over-scores the tensors that trained more than the others (4.9x
-  vs 2.0x their one-step loss drop on MobileNetV2).
-* ``"grad-sq"`` — an SGD step, ``delta_w = -lr * (g + weight_decay * w)``, ``I_k ~= lr *
-  ||g_k||^2`` (the loss drop of an optimizer the run does not train with; a baseline).
-* ``"random"`` — ``I_k`` uniform in (0, 1], drawn from the period's probe seed, no gradients
-  computed: the DP then picks a random selection within the budget (an ablation baseline).
-
-All variants use the run's base learning rate (it scales every ``I_k`` alike, so it does not
-change the selection; the base rate keeps delta_w far above float32 rounding late in the
-cosine schedule).
+The importance of tensor ``k`` is the first-order estimate of the loss drop of one update of its
+weights, ``I_k = -sum_i g_i * delta_w_i``; the formula and the update each ``variant`` takes
+for ``delta_w`` (AdamW's next step with the run's moments by default) are
+:mod:`etgraph.importance_rules`. This module computes the gradients ``g`` of all tensors on
+probe batches in an ORT session of its own and scores every tensor
+(:class:`ImportanceEvaluator`; :func:`probe_importance` for ``etgraph compile``).
 
 **Cost.** The gradients come from a real ORT backward pass of all tensors; ``delta_w`` is the
-closed form above (:func:`adamw_step`, checked against real ORT optimizer steps in the tests),
+closed form (:func:`etgraph.importance_rules.adamw_step`, checked against real ORT optimizer
+steps in the tests),
 so no optimizer session is needed. The Module is built
 once and kept: an evaluation costs about one full training step (a re-selection per period
 must stay under 2% of the period, issue #6).
@@ -90,215 +55,23 @@ from .errors import ConfigError
 from .files import private_temp_dir
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .images import Preprocess
+from .importance_rules import SCRATCH_CHUNK, check_importance_variant, variant_importance
 from .model import LoadedModel
-from .selection import IMPORTANCE_VARIANTS
 from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch
 
 log = logging.getLogger(__name__)
 
+#: MiB an :class:`ImportanceEvaluator` holds for its life (three float32 scratch buffers of
+#: :data:`etgraph.importance_rules.SCRATCH_CHUNK` elements, :func:`variant_importance`'s).
+SCRATCH_MB = 3 * SCRATCH_CHUNK * 4 / float(1 << 20)
+
 __all__ = [
-    "IMPORTANCE_VARIANTS",
-    "adamw_first_step",
-    "adamw_step",
     "gradient_chunks",
-    "tensor_importance",
     "ImportanceResult",
     "ImportanceEvaluator",
     "SCRATCH_MB",
     "probe_importance",
 ]
-
-
-def tensor_importance(gradients: Sequence[np.ndarray], deltas: Sequence[np.ndarray]) -> np.ndarray:
-    """First-order importance of each tensor, ``I_k = -sum_i g_i * delta_w_i`` (paper Eq. 2, §4).
-
-    Args:
-        gradients: per tensor ``k`` (forward order), ``dL/dw`` at the weights before the update,
-            float array of the tensor's shape.
-        deltas: per tensor ``k``, the weight update ``w_after - w_before``, same shapes.
-
-    Returns:
-        float64 [N]: importance per tensor (loss reduction, in loss units; larger = more useful).
-        Additive: the importance of a selection is the sum over its tensors.
-
-    Raises:
-        ConfigError: the two sequences differ in length, or a pair differs in shape.
-    """
-    if len(gradients) != len(deltas):
-        raise ConfigError(
-            f"{len(gradients)} gradients but {len(deltas)} weight updates: pass one per tensor"
-        )
-    out = np.empty(len(gradients), dtype=np.float64)
-    for k, (g, d) in enumerate(zip(gradients, deltas, strict=True)):
-        g = np.asarray(g, dtype=np.float64)
-        d = np.asarray(d, dtype=np.float64)
-        if g.shape != d.shape:
-            raise ConfigError(
-                f"tensor {k}: gradient shape {g.shape} differs from update shape {d.shape}"
-            )
-        out[k] = -float(np.sum(g * d))
-    return out
-
-
-#: onnxblock.optim.AdamW defaults, as etgraph.artifacts generates the optimizer.
-ADAMW_BETAS = (0.9, 0.999)
-ADAMW_EPS = 1e-6
-
-
-def adamw_first_step(
-    gradient: np.ndarray,
-    weight: np.ndarray,
-    learning_rate: float,
-    weight_decay: float,
-    *,
-    betas: tuple[float, float] = ADAMW_BETAS,
-    eps: float = ADAMW_EPS,
-) -> np.ndarray:
-    """The update ORT's AdamW (onnxblock, Hugging Face mode) makes at step 1 from zero moments.
-
-    With ``m = (1 - b1) g``, ``v = (1 - b2) g^2`` and eps added to ``sqrt(v)`` before bias
-    correction: ``delta_w = -lr * (g / (|g| + eps / sqrt(1 - b2)) + weight_decay * w)``.
-
-    Args:
-        gradient, weight: float arrays of one shape (dL/dw and w before the update).
-        learning_rate: > 0. weight_decay: decoupled weight decay, >= 0.
-
-    Returns:
-        float64 array of the same shape, ``w_after - w_before``.
-    """
-    g = np.asarray(gradient, dtype=np.float64)
-    w = np.asarray(weight, dtype=np.float64)
-    eps_eff = eps / np.sqrt(1.0 - betas[1])
-    return -learning_rate * (g / (np.abs(g) + eps_eff) + weight_decay * w)
-
-
-def adamw_step(
-    gradient: np.ndarray,
-    weight: np.ndarray,
-    learning_rate: float,
-    weight_decay: float,
-    *,
-    moments: Mapping[str, np.ndarray] | None = None,
-    step: int = 0,
-    betas: tuple[float, float] = ADAMW_BETAS,
-    eps: float = ADAMW_EPS,
-) -> np.ndarray:
-    """The update ORT's AdamW (onnxblock, Hugging Face mode) makes next, at step ``step + 1``.
-
-    ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``, ``w1 = w - lr * sqrt(1 - b2^t) /
-    (1 - b1^t) * m' / (sqrt(v') + eps)``, ``w2 = w1 - lr * weight_decay * w1`` with ``t = step
-    + 1`` (ORT's ``AdamWOptimizer`` kernel, ``adam_mode=1``).
-
-    Args:
-        gradient, weight: float arrays of one shape (dL/dw and w before the update).
-        learning_rate: > 0. weight_decay: decoupled weight decay, >= 0.
-        moments: ``{"momentum0": m, "momentum1": v}`` (the tensor's shape), as ORT stores them
-            (:class:`etgraph.checkpoint.CarriedState`); None = zero moments.
-        step: AdamW steps taken so far (the optimizer group's step count), >= 0.
-
-    Returns:
-        float64 array of the same shape, ``w2 - w``. With no moments at ``step`` 0 this is
-        :func:`adamw_first_step` (up to its ``lr^2 * weight_decay`` term).
-    """
-    g = np.asarray(gradient, dtype=np.float64)
-    w = np.asarray(weight, dtype=np.float64)
-    b1, b2 = betas
-    m = v = 0.0
-    if moments is not None:
-        m = np.asarray(moments["momentum0"], dtype=np.float64)
-        v = np.asarray(moments["momentum1"], dtype=np.float64)
-    m1 = b1 * m + (1.0 - b1) * g
-    v1 = b2 * v + (1.0 - b2) * g * g
-    t = step + 1
-    lr_corrected = learning_rate * np.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-    w1 = w - lr_corrected * m1 / (np.sqrt(v1) + eps)
-    return w1 - learning_rate * weight_decay * w1 - w
-
-
-def check_importance_variant(variant: str) -> str:
-    """``variant`` if it is one of :data:`IMPORTANCE_VARIANTS`.
-
-    Raises:
-        ConfigError: another name (the message lists the variants).
-    """
-    if variant not in IMPORTANCE_VARIANTS:
-        raise ConfigError(
-            f"unknown importance {variant!r}: choose one of {', '.join(IMPORTANCE_VARIANTS)}"
-        )
-    return variant
-
-
-#: Elements per chunk in :func:`_tensor_importance` (4 MB float32 scratch buffers).
-_CHUNK = 1 << 20
-
-#: MiB an :class:`ImportanceEvaluator` holds for its life (three scratch buffers).
-SCRATCH_MB = 3 * _CHUNK * 4 / float(1 << 20)
-
-
-def _tensor_importance(
-    variant: str,
-    gradient: np.ndarray,
-    weight: np.ndarray,
-    learning_rate: float,
-    weight_decay: float,
-    batches: int,
-    scratch: np.ndarray,
-    moments: Mapping[str, np.ndarray] | None = None,
-    step: int = 0,
-) -> float:
-    """``tensor_importance`` of one tensor under ``variant``'s delta_w (``"adam"``:
-    :func:`adamw_step`, ``"first-step"``: :func:`adamw_first_step`, ``"grad-sq"``: an SGD step),
-    without materialising the update.
-
-    ``g`` is the accumulated gradient divided by ``batches``. Computed chunk-wise in float32
-    with float64 accumulation in three preallocated buffers (``scratch``: float32 [3, _CHUNK]):
-    whole-tensor float64 temporaries cost ~0.5 s per evaluation on ResNet50 once freed memory
-    has been returned to the OS (page faults on every new array), ten times the arithmetic.
-    """
-    g = np.asarray(gradient, dtype=np.float32).reshape(-1)
-    w = np.asarray(weight, dtype=np.float32).reshape(-1)
-    m = v = None
-    if variant == "adam" and moments is not None:
-        m = np.asarray(moments["momentum0"], dtype=np.float32).reshape(-1)
-        v = np.asarray(moments["momentum1"], dtype=np.float32).reshape(-1)
-    b1, b2 = ADAMW_BETAS
-    t_next = step + 1
-    # -sum(g * delta_w) = lr * sum(g * (scale * direction + wd * w)), per variant
-    scale = np.sqrt(1.0 - b2**t_next) / (1.0 - b1**t_next) * (1.0 - learning_rate * weight_decay)
-    eps_eff = ADAMW_EPS / np.sqrt(1.0 - b2)
-    total = 0.0
-    for start in range(0, g.size, _CHUNK):
-        gs, ws = g[start : start + _CHUNK], w[start : start + _CHUNK]
-        n = gs.size
-        gm, t, u = scratch[0, :n], scratch[1, :n], scratch[2, :n]
-        np.multiply(gs, 1.0 / batches, out=gm)  # mean gradient over the probe batches
-        if variant == "grad-sq":
-            t[...] = gm
-        elif variant == "first-step":
-            np.abs(gm, out=t)
-            t += eps_eff
-            np.divide(gm, t, out=t)  # g / (|g| + eps_eff)
-        else:  # adam: m' / (sqrt(v') + eps), scaled
-            if v is None:
-                u.fill(0.0)
-            else:
-                np.multiply(v[start : start + n], b2, out=u)
-            np.multiply(gm, gm, out=t)
-            t *= 1.0 - b2
-            u += t  # v'
-            np.sqrt(u, out=u)
-            u += ADAMW_EPS
-            np.multiply(gm, (1.0 - b1) / b1, out=t)
-            if m is not None:
-                t += m[start : start + n]
-            t *= b1  # m'
-            t /= u
-            t *= scale
-        np.multiply(ws, weight_decay, out=u)
-        t += u
-        t *= gm
-        total += float(t.sum(dtype=np.float64))
-    return float(learning_rate) * total
 
 
 def gradient_chunks(
@@ -377,8 +150,8 @@ class ImportanceEvaluator:
             hold placeholders for its weights (:func:`etgraph.artifacts.placeholder_weights`).
         config: its session's options (the run's training options, so the reference steps
             timed on it are measured alike); default the "probe" role's.
-        variant: which update defines delta_w, one of :data:`IMPORTANCE_VARIANTS` (module
-            docstring).
+        variant: which update defines delta_w, one of :data:`IMPORTANCE_VARIANTS`
+            (:mod:`etgraph.importance_rules`).
 
     Raises:
         ModelError: onnxruntime-training cannot build the all-trainable training graph.
@@ -410,7 +183,7 @@ class ImportanceEvaluator:
         self.chunks = None if chunks is None else [list(c) for c in chunks]
         self._model, self._cache, self._loss = model, cache, loss
         self._session: GradientSession | None = None  # opened at the first evaluation
-        self._scratch = np.empty((3, _CHUNK), dtype=np.float32)  # see _tensor_importance
+        self._scratch = np.empty((3, SCRATCH_CHUNK), dtype=np.float32)  # see variant_importance
         t0 = time.perf_counter()
         self.paths: ArtifactPaths | None = None
         if self.chunks is None:
@@ -467,8 +240,9 @@ class ImportanceEvaluator:
         """Importance at ``weights`` from one update of all tensors on ``batches``.
 
         Gradients of all batches are accumulated (ORT accumulates until ``lazy_reset_grad``)
-        and averaged; ``delta_w`` is the evaluator's ``variant`` (module docstring). Nothing
-        outside this evaluator's own ORT session changes.
+        and averaged; ``delta_w`` is the evaluator's ``variant``
+        (:mod:`etgraph.importance_rules`). Nothing outside this evaluator's own ORT session
+        changes.
 
         Args:
             weights: name -> array for every tensor in ``tensor_names`` and ``frozen_names``
@@ -492,9 +266,7 @@ class ImportanceEvaluator:
         if self.variant == "random":
             return self._random(seed)
         moments = moments or {}
-        missing = [n for n in self.tensor_names + self.frozen_names if n not in weights]
-        if missing:
-            raise ConfigError(f"no current value for tensor {missing[0]!r}")
+        self._require_weights(weights)
         t0 = time.perf_counter()
         session = self.session()
         session.set_parameters(weights, self.tensor_names + self.frozen_names)
@@ -505,7 +277,7 @@ class ImportanceEvaluator:
             raise ConfigError("importance needs at least one probe batch")
         importance = np.array(
             [
-                _tensor_importance(
+                variant_importance(
                     self.variant,
                     session.gradient(name),  # a zero-copy view of the accumulated gradient
                     weights[name],
@@ -552,9 +324,8 @@ class ImportanceEvaluator:
             ConfigError: no batch, a non-positive learning rate, or a tensor missing from the
                 checkpoint. CheckpointError: the checkpoint cannot be read.
         """
-        adam = self.variant == "adam"
         if self.chunks is None or self.variant == "random":
-            state, _, _ = read_checkpoint(checkpoint, moments=adam)
+            state, _, _ = read_checkpoint(checkpoint, moments=self.variant == "adam")
             return self.evaluate(
                 state.weights,
                 batches,
@@ -568,79 +339,17 @@ class ImportanceEvaluator:
         if not batches:
             raise ConfigError("importance needs at least one probe batch")
         t0 = time.perf_counter()
-        scratch = Path(scratch_dir)
-        scratch.mkdir(parents=True, exist_ok=True)
-        state, _, _ = read_checkpoint(checkpoint, copy=False, moments=False)
-        step = state.step
-        missing = [n for n in self.tensor_names + self.frozen_names if n not in state.weights]
-        if missing:
-            raise ConfigError(f"no current value for tensor {missing[0]!r}")
-        files = []
-        for j, chunk in enumerate(self.chunks):
-            files.append(scratch / f"importance-{j}.ckpt")
-            names = [self.tensor_names[k] for k in chunk]
-            write_checkpoint(files[-1], state, names, optimizer_state=False)
-        del state  # the file's buffer: no weights are held while a session is open
-        gc.collect()
-        release_native_memory()
-        log.debug(
-            "importance chunk checkpoints written: RSS %.0f MiB, peak %.0f MiB",
-            rss_mb(),
-            peak_rss_mb(),
-        )
+        files, step = self._write_chunk_checkpoints(checkpoint, Path(scratch_dir))
         session_s = time.perf_counter() - t0
         importance = np.zeros(len(self.tensor_names), dtype=np.float64)
         losses: list[float] = []
         try:
             for chunk, path in zip(self.chunks, files, strict=True):
-                names = [self.tensor_names[k] for k in chunk]
-                chosen = set(names)
-                frozen = [n for n in self.tensor_names if n not in chosen] + self.frozen_names
-                ts = time.perf_counter()
-                paths, _ = self._cache.get(
-                    self._model,
-                    names,
-                    frozen,
-                    weight_decay=self.weight_decay,
-                    loss=self._loss,
-                    checkpoint=False,
+                chunk_losses, open_s = self._evaluate_chunk(
+                    chunk, path, checkpoint, batches, learning_rate, step, importance
                 )
-                session = GradientSession(
-                    paths.directory,
-                    self.threads,
-                    input_names=self.input_names,
-                    checkpoint=path,
-                    config=self.config,
-                )
-                session_s += time.perf_counter() - ts
-                chunk_losses = session.accumulate(batches)
-                log.debug(
-                    "importance chunk of %d tensors from %d: RSS %.0f MiB, peak %.0f MiB",
-                    len(chunk),
-                    chunk[0],
-                    rss_mb(),
-                    peak_rss_mb(),
-                )
+                session_s += open_s
                 losses = losses or chunk_losses  # every chunk computes the same forward pass
-                params = session.state.parameters
-                # the moments as views of the mapped file: only this chunk's pages are read
-                moments = read_checkpoint(checkpoint, copy=False)[0].moments if adam else {}
-                for k, name in zip(chunk, names, strict=True):
-                    importance[k] = _tensor_importance(
-                        self.variant,
-                        session.gradient(name),
-                        params[name].data,
-                        learning_rate,
-                        self.weight_decay,
-                        len(chunk_losses),
-                        self._scratch,
-                        moments.get(name),
-                        step,
-                    )
-                del session, params, moments
-                gc.collect()
-                release_native_memory()
-                log.debug("importance chunk released: RSS %.0f MiB", rss_mb())
                 path.unlink()
         finally:
             for path in files:
@@ -649,6 +358,113 @@ class ImportanceEvaluator:
         # no chunk fits the budget: nothing evaluated (the selection then names the budget)
         loss = float(np.mean(losses)) if losses else float("nan")
         return ImportanceResult(importance, loss, cost_s, session_s)
+
+    def _write_chunk_checkpoints(
+        self, checkpoint: str | os.PathLike, scratch: Path
+    ) -> tuple[list[Path], int]:
+        """One checkpoint per chunk in ``scratch`` (its tensors trainable, no optimizer state),
+        written from a view of ``checkpoint`` that is dropped before returning (no weights are
+        held while a session is open). Returns the files, one per chunk, and the AdamW step.
+
+        Raises:
+            ConfigError: a tensor missing from the checkpoint.
+        """
+        scratch.mkdir(parents=True, exist_ok=True)
+        state, _, _ = read_checkpoint(checkpoint, copy=False, moments=False)
+        step = state.step
+        self._require_weights(state.weights)
+        files = []
+        for j, chunk in enumerate(self.chunks):
+            files.append(scratch / f"importance-{j}.ckpt")
+            names = [self.tensor_names[k] for k in chunk]
+            write_checkpoint(files[-1], state, names, optimizer_state=False)
+        del state  # the file's buffer
+        gc.collect()
+        release_native_memory()
+        log.debug(
+            "importance chunk checkpoints written: RSS %.0f MiB, peak %.0f MiB",
+            rss_mb(),
+            peak_rss_mb(),
+        )
+        return files, step
+
+    def _open_chunk_session(self, names: Sequence[str], path: Path) -> GradientSession:
+        """A gradient session training ``names`` (the rest frozen), loaded from the chunk's
+        checkpoint ``path``."""
+        chosen = set(names)
+        frozen = [n for n in self.tensor_names if n not in chosen] + self.frozen_names
+        paths, _ = self._cache.get(
+            self._model,
+            names,
+            frozen,
+            weight_decay=self.weight_decay,
+            loss=self._loss,
+            checkpoint=False,
+        )
+        return GradientSession(
+            paths.directory,
+            self.threads,
+            input_names=self.input_names,
+            checkpoint=path,
+            config=self.config,
+        )
+
+    def _evaluate_chunk(
+        self,
+        chunk: Sequence[int],
+        path: Path,
+        checkpoint: str | os.PathLike,
+        batches: Sequence[tuple],
+        learning_rate: float,
+        step: int,
+        importance: np.ndarray,
+    ) -> tuple[list[float], float]:
+        """Score the tensors of ``chunk`` into ``importance`` (float64 [N]) from a session
+        opened on the chunk's checkpoint ``path``, run on ``batches`` and released before
+        returning; the moments (``"adam"``) are read as views of ``checkpoint``.
+
+        Returns:
+            The chunk's probe losses and the seconds spent opening its session.
+        """
+        names = [self.tensor_names[k] for k in chunk]
+        ts = time.perf_counter()
+        session = self._open_chunk_session(names, path)
+        open_s = time.perf_counter() - ts
+        losses = session.accumulate(batches)
+        log.debug(
+            "importance chunk of %d tensors from %d: RSS %.0f MiB, peak %.0f MiB",
+            len(chunk),
+            chunk[0],
+            rss_mb(),
+            peak_rss_mb(),
+        )
+        params = session.state.parameters
+        # the moments as views of the mapped file: only this chunk's pages are read
+        adam = self.variant == "adam"
+        moments = read_checkpoint(checkpoint, copy=False)[0].moments if adam else {}
+        for k, name in zip(chunk, names, strict=True):
+            importance[k] = variant_importance(
+                self.variant,
+                session.gradient(name),
+                params[name].data,
+                learning_rate,
+                self.weight_decay,
+                len(losses),
+                self._scratch,
+                moments.get(name),
+                step,
+            )
+        del session, params, moments
+        gc.collect()
+        release_native_memory()
+        log.debug("importance chunk released: RSS %.0f MiB", rss_mb())
+        return losses, open_s
+
+    def _require_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Raises ConfigError naming the first tensor or running statistic not in ``weights``."""
+        missing = [n for n in self.tensor_names + self.frozen_names if n not in weights]
+        if missing:
+            raise ConfigError(f"no current value for tensor {missing[0]!r}")
 
 
 def probe_importance(

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from passes.onnx import DEFAULT_FROZEN_BN
@@ -296,6 +297,56 @@ def fit_memory_profile(
     return prof
 
 
+def _measure_anchors(
+    model: LoadedModel,
+    model_b: onnx.ModelProto,
+    todo: Sequence[int],
+    cache: ArtifactCache,
+    *,
+    refine: int,
+    batch_size: int,
+    input_shape: tuple[int, ...],
+    threads: int,
+    steps: int,
+    fresh: bool,
+    frozen_bn: str,
+) -> tuple[list[int], list[dict]]:
+    """Measure the suffix selections from each tensor in ``todo`` (:func:`measure_peaks`, the
+    smallest selection first; their artifacts from ``model_b``, the model at the batch shape,
+    in ``cache``), then ``refine`` rounds of :func:`_refinements` between adjacent anchors.
+
+    Returns:
+        ``(points, raw)``: the measured anchors, in measurement order, and their records.
+    """
+    n = len(model.tensors)
+    points: list[int] = []
+    raw: list[dict] = []
+    suffix_grad = _suffix_grad_mb(np.array([t.params for t in model.tensors], dtype=np.float64))
+    for _ in range(refine + 1):
+        todo = sorted(set(todo) - set(points), reverse=True)  # smallest selection first
+        if not todo:
+            break
+        dirs = []
+        for e in todo:
+            mask = np.zeros(n, dtype=bool)
+            mask[e:] = True
+            paths, _ = cache.get(
+                model_b, *model.split(mask), loss=model.task.loss, frozen_bn=frozen_bn
+            )
+            dirs.append(paths.directory)
+        raw += measure_peaks(
+            dirs,
+            batch_size=batch_size,
+            input_shape=input_shape,
+            threads=threads,
+            steps=steps,
+            fresh=fresh,
+        )
+        points += todo
+        todo = _refinements(points, raw, suffix_grad)
+    return points, raw
+
+
 def profile_memory(
     model: LoadedModel,
     *,
@@ -367,40 +418,23 @@ def profile_memory(
             return cached
 
     start, start_cpu = time.perf_counter(), _cpu_s()
-    n = len(model.tensors)
     model_b = model.with_batch(batch_size, {model.inputs[0].name: shape})
     proxy = activation_bytes_after(model_b, [t.layer for t in model.tensors])
-    points: list[int] = []
-    raw: list[dict] = []
-    todo = anchor_indices(proxy, anchors)
-    suffix_grad = _suffix_grad_mb(np.array([t.params for t in model.tensors], dtype=np.float64))
     with private_temp_dir("memory") as work:
         cache = artifact_cache if artifact_cache is not None else ArtifactCache(work)
-        for _ in range(refine + 1):
-            todo = sorted(set(todo) - set(points), reverse=True)  # smallest selection first
-            if not todo:
-                break
-            new_masks = []
-            for e in todo:
-                mask = np.zeros(n, dtype=bool)
-                mask[e:] = True
-                new_masks.append(mask)
-            dirs = [
-                cache.get(model_b, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn)[
-                    0
-                ].directory
-                for m in new_masks
-            ]
-            raw += measure_peaks(
-                dirs,
-                batch_size=batch_size,
-                input_shape=shape,
-                threads=threads,
-                steps=steps,
-                fresh=fresh,
-            )
-            points += todo
-            todo = _refinements(points, raw, suffix_grad)
+        points, raw = _measure_anchors(
+            model,
+            model_b,
+            anchor_indices(proxy, anchors),
+            cache,
+            refine=refine,
+            batch_size=batch_size,
+            input_shape=shape,
+            threads=threads,
+            steps=steps,
+            fresh=fresh,
+            frozen_bn=frozen_bn,
+        )
     prof = fit_memory_profile(
         model,
         proxy,

@@ -9,16 +9,14 @@ from etgraph.artifacts import ArtifactCache
 from etgraph.checkpoint import read_checkpoint
 from etgraph.data import load_dataset
 from etgraph.errors import ConfigError
-from etgraph.importance import (
-    _CHUNK,
+from etgraph.importance import ImportanceEvaluator, gradient_chunks, probe_importance
+from etgraph.importance_rules import (
     IMPORTANCE_VARIANTS,
-    ImportanceEvaluator,
-    _tensor_importance,
+    SCRATCH_CHUNK,
     adamw_first_step,
     adamw_step,
-    gradient_chunks,
-    probe_importance,
     tensor_importance,
+    variant_importance,
 )
 from etgraph.model import LoadedModel
 from etgraph.sessions import TrainingSession
@@ -46,9 +44,9 @@ def test_chunked_importance_equals_the_reference_of_every_variant():
     documented update (adamw_step with and without moments, adamw_first_step, an SGD step) —
     across chunk boundaries and with several probe batches."""
     rng = np.random.default_rng(3)
-    scratch = np.empty((3, _CHUNK), dtype=np.float32)
+    scratch = np.empty((3, SCRATCH_CHUNK), dtype=np.float32)
     lr, wd = 1e-3, 0.05
-    for size, batches in ((7, 1), (_CHUNK + 12345, 2), (2 * _CHUNK, 3)):
+    for size, batches in ((7, 1), (SCRATCH_CHUNK + 12345, 2), (2 * SCRATCH_CHUNK, 3)):
         g = (rng.standard_normal(size) * 10.0 ** rng.uniform(-9, -1, size)).astype(np.float32)
         w = rng.standard_normal(size).astype(np.float32)
         moments = {
@@ -63,7 +61,7 @@ def test_chunked_importance_equals_the_reference_of_every_variant():
         }
         for variant, (delta, carried, step) in updates.items():
             expected = tensor_importance([mean], [delta])[0]
-            got = _tensor_importance(variant, g, w, lr, wd, batches, scratch, carried, step)
+            got = variant_importance(variant, g, w, lr, wd, batches, scratch, carried, step)
             np.testing.assert_allclose(got, expected, rtol=2e-5, err_msg=variant)
         # no moments at step 0: the optimizer's next step is its first step (up to the
         # lr^2 * wd * step term adamw_first_step leaves out)
