@@ -59,7 +59,6 @@ from .selection import IMPORTANCE_VARIANTS
 __all__ = [
     "ADAMW_BETAS",
     "ADAMW_EPS",
-    "IMPORTANCE_VARIANTS",
     "SCRATCH_CHUNK",
     "adamw_first_step",
     "adamw_step",

@@ -11,7 +11,6 @@ from etgraph.data import load_dataset
 from etgraph.errors import ConfigError
 from etgraph.importance import ImportanceEvaluator, gradient_chunks, probe_importance
 from etgraph.importance_rules import (
-    IMPORTANCE_VARIANTS,
     SCRATCH_CHUNK,
     adamw_first_step,
     adamw_step,
@@ -19,6 +18,7 @@ from etgraph.importance_rules import (
     variant_importance,
 )
 from etgraph.model import LoadedModel
+from etgraph.selection import IMPORTANCE_VARIANTS
 from etgraph.sessions import TrainingSession
 
 LR = 1e-3
