@@ -91,8 +91,9 @@ from .files import private_temp_dir
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .images import Preprocess
 from .model import LoadedModel
+from .ort_options import OrtConfig
 from .selection import IMPORTANCE_VARIANTS
-from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch
+from .sessions import GradientSession, as_inputs, padded_batch
 
 log = logging.getLogger(__name__)
 
