@@ -7,13 +7,13 @@ trains exactly the artifacts the bare loop steps, in the run's batch-norm mode, 
 
 * ``etgraph loop`` — :func:`etgraph.loop.train` itself, one epoch of ``--steps`` steps on the
   embedded digits task (open loop), with its session options chosen by the run's own probe
-  (``spinning="auto"``, :func:`etgraph.sessions.choose_train_config`; the label chosen is
+  (``spinning="auto"``, :func:`etgraph.config_choice.choose_train_config`; the label chosen is
   printed): the loop's time per step, ``(epoch wall time - re-selection - reference steps -
   probe) / steps`` (data, learning rate, progress bar and the step), and its median step
   (``median_step_us``); the probe's time per run is printed beside;
 * ``etgraph session <label>`` — :meth:`etgraph.sessions.TrainingSession.train_step` stepped
   in a plain loop over the same batches with each candidate of
-  :data:`etgraph.sessions.TRAIN_CANDIDATES`;
+  :data:`etgraph.config_choice.TRAIN_CANDIDATES`;
 * ``ORT defaults`` — ``onnxruntime.training.api.Module`` + ``Optimizer`` with ORT's default
   ``SessionOptions`` (``module(x, y)``, ``optimizer.step()``, ``lazy_reset_grad()``, the API's
   documented loop) over the same batches.
@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
 
 from etgraph.artifacts import ArtifactCache  # noqa: E402
 from etgraph.config import TrainConfig  # noqa: E402
+from etgraph.config_choice import TRAIN_CANDIDATES  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH, load_dataset  # noqa: E402
 from etgraph.loop import train  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
@@ -55,7 +56,7 @@ from etgraph.profile import default_cache_dir  # noqa: E402
 from etgraph.profiler import profile_model  # noqa: E402
 from etgraph.rundir import read_log  # noqa: E402
 from etgraph.selection import select_for_rho  # noqa: E402
-from etgraph.sessions import TRAIN_CANDIDATES, TrainingSession  # noqa: E402
+from etgraph.sessions import TrainingSession  # noqa: E402
 
 
 def _load() -> str:

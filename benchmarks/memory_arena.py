@@ -7,7 +7,7 @@ training artifacts are generated in both ``--frozen-bn`` modes, and a **fresh pr
 AdamW Optimizer), takes 3 steps and reports its RSS after each step and its peak (``VmHWM``):
 
 * ``default``: ORT's per-session CPU arena (grows by powers of two);
-* ``shared``: etgraph's shared arena (:func:`etgraph.sessions.shared_arena`, kSameAsRequested).
+* ``shared``: etgraph's shared arena (:func:`etgraph.ort_options.shared_arena`, kSameAsRequested).
 
 Peak RSS does not depend on CPU load. Usage::
 
@@ -51,7 +51,8 @@ def status():
             k, v = line.split(":"); d[k] = int(v.split()[0]) / 1024
     return d
 import etgraph.loop  # noqa: F401  (what etgraph train imports)
-from etgraph.sessions import OrtConfig, api, session_options
+from etgraph.ort_options import OrtConfig, session_options
+from etgraph.sessions import api
 d, arena, *shape = sys.argv[1:]
 so = session_options(2, config=OrtConfig(spinning=False, shared_arena=arena == "shared"))
 state = api.CheckpointState.load_checkpoint(str(Path(d) / "checkpoint"))

@@ -1,7 +1,7 @@
 """Which ONNX Runtime session options make each of etgraph's sessions fastest on this machine.
 
-Every candidate configuration (:class:`etgraph.sessions.OrtConfig` + intra-op threads) is
-measured in each session role etgraph has (:data:`etgraph.sessions.ROLES`):
+Every candidate configuration (:class:`etgraph.ort_options.OrtConfig` + intra-op threads) is
+measured in each session role etgraph has (:data:`etgraph.ort_options.ROLES`):
 
 * ``train`` — the training loop: one ``TrainingSession`` (Module + AdamW + grad reset) stepped
   back to back, on the full artifacts and on an elastic selection (the last half of the tensors);
@@ -45,14 +45,9 @@ from etgraph import artifacts  # noqa: E402
 from etgraph.data import DEFAULT_MODEL_PATH  # noqa: E402
 from etgraph.measure import _training_feeds, random_batch  # noqa: E402
 from etgraph.model import LoadedModel  # noqa: E402
+from etgraph.ort_options import OrtConfig, session_options  # noqa: E402
 from etgraph.profile import format_shapes  # noqa: E402
-from etgraph.sessions import (  # noqa: E402
-    GradientSession,
-    OrtConfig,
-    TrainingSession,
-    inference_session,
-    session_options,
-)
+from etgraph.sessions import GradientSession, TrainingSession, inference_session  # noqa: E402
 
 #: (label, options, intra-op threads); the first row is the reference of the ratios.
 CONFIGS = [

@@ -166,8 +166,9 @@ def run_model(name: str, size: int, opts: dict) -> list[dict]:
     import torch
 
     from etgraph.artifacts import ArtifactCache
+    from etgraph.config_choice import TRAIN_CANDIDATES
     from etgraph.model import LoadedModel
-    from etgraph.sessions import TRAIN_CANDIDATES, TrainingSession
+    from etgraph.sessions import TrainingSession
     from models import zoo
 
     work, batch, threads = Path(opts["work_dir"]), opts["batch_size"], opts["threads"]
@@ -322,7 +323,7 @@ def table(rows: list[dict]) -> str:
     type=click.Choice(["off", "on", "on+stop"]),
     default="off",
     show_default=True,
-    help="etgraph's session options (etgraph.sessions.TRAIN_CANDIDATES; a run measures which "
+    help="etgraph's session options (etgraph.config_choice.TRAIN_CANDIDATES; a run measures which "
     "to use: on wins on a quiet machine, off on a loaded one).",
 )
 @click.option(

@@ -49,7 +49,7 @@ def check_one(name: str, input_size: int, num_classes: int, batch_size: int, ste
     import numpy as np
     import onnx
 
-    from etgraph import artifacts, sessions
+    from etgraph import artifacts, ort_options
     from models import zoo
     from models.export import export_onnx
 
@@ -86,7 +86,7 @@ def check_one(name: str, input_size: int, num_classes: int, batch_size: int, ste
             str(paths.training_model),
             state,
             str(paths.eval_model),
-            session_options=sessions.session_options(None),  # as etgraph trains
+            session_options=ort_options.session_options(None),  # as etgraph trains
         )
         optimizer = api.Optimizer(str(paths.optimizer_model), module)
         session_s = time.perf_counter() - t0

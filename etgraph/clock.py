@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .config_choice import TRAIN_CANDIDATES
 from .errors import ConfigError
-from .sessions import TRAIN_CANDIDATES
 from .timing import StepTimeFit, fit_step_times
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def fit_clock(spinning: bool) -> str:
     time is waiting). On a machine shared with other work the wall time of one reference step
     swings 2x with the neighbours' load, its CPU time by a few % (docs/how-it-works.md,
     "Closed loop"); on a quiet device, where spinning wins
-    (:func:`etgraph.sessions.choose_train_config`), they agree."""
+    (:func:`etgraph.config_choice.choose_train_config`), they agree."""
     return "" if spinning else "_cpu"
 
 

@@ -17,13 +17,13 @@ from passes.onnx import DEFAULT_FROZEN_BN
 
 from .arrays import ArrayDataset
 from .artifacts import check_frozen_bn
+from .config_choice import TRAIN_CANDIDATES
 from .data import Dataset, as_dataset
 from .errors import ConfigError, DataError, ProfileMismatchError
 from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance_rules import check_importance_variant
 from .memory import check_step_fits
 from .selection import BUDGETED_STRATEGIES, STRATEGIES
-from .sessions import TRAIN_CANDIDATES
 
 if TYPE_CHECKING:
     from .memory import MemoryProfile
@@ -79,8 +79,8 @@ class TrainConfig:
             it with the run's memory model (:class:`etgraph.memory.MemoryProfile`), and the log
             records the predicted peak beside the measured one. None = time budget only.
         spinning: the ORT session options the run trains with: ``"auto"`` measures the
-            candidates of :data:`etgraph.sessions.TRAIN_CANDIDATES` at the start
-            (:func:`etgraph.sessions.choose_train_config`, on the full artifacts at learning
+            candidates of :data:`etgraph.config_choice.TRAIN_CANDIDATES` at the start
+            (:func:`etgraph.config_choice.choose_train_config`, on the full artifacts at learning
             rate 0) and keeps the fastest; or a candidate's label (``"off"``, ``"on"``,
             ``"on+stop"``), not measured. Under ``memory_mb`` ``"auto"`` means ``"off"`` (the
             probe would hold two all-trainable sessions at once).

@@ -32,7 +32,7 @@ class UnsupportedOpError(ModelError):
 
 class NativeCrashError(ModelError):
     """ONNX Runtime crashed (a signal, not an exception) running a session of the model, in the
-    child process :func:`etgraph.sessions.check_sessions` runs its first steps in."""
+    child process :func:`etgraph.isolation.check_sessions` runs its first steps in."""
 
 
 class ConfigError(EtgraphError):

@@ -57,7 +57,8 @@ from .host import peak_rss_mb, release_native_memory, rss_mb
 from .images import Preprocess
 from .importance_rules import SCRATCH_CHUNK, check_importance_variant, variant_importance
 from .model import LoadedModel
-from .sessions import GradientSession, OrtConfig, as_inputs, padded_batch
+from .ort_options import OrtConfig
+from .sessions import GradientSession, as_inputs, padded_batch
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class ImportanceEvaluator:
 
     def adopt(self, session: GradientSession) -> None:
         """Use ``session`` (already open on this evaluator's artifacts, e.g. the winner of
-        :func:`etgraph.sessions.choose_train_config`) instead of opening one.
+        :func:`etgraph.config_choice.choose_train_config`) instead of opening one.
 
         Raises:
             ValueError: ``session`` is open on other artifacts.

@@ -40,7 +40,8 @@ from .errors import ConfigError, ModelError
 from .files import private_temp_dir
 from .host import physical_cores
 from .model import Batch, LoadedModel, random_batch
-from .sessions import TrainingSession, inference_session, session_options
+from .ort_options import session_options
+from .sessions import TrainingSession, inference_session
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 #: JSON format written by :meth:`MemoryProfile.to_dict` (2: ``frozen_bn``; sessions on the
-#: shared arena, :func:`etgraph.sessions.shared_arena`).
+#: shared arena, :func:`etgraph.ort_options.shared_arena`).
 MEMORY_FORMAT_VERSION = 2
 
 #: Version of the measurement method in :func:`memory_key` (bumped when what is measured changes).

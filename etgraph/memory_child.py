@@ -8,7 +8,7 @@ training API after recording the interpreter's own resident memory — the one p
 
 Each artifact directory is measured in a process forked after the imports (no ORT session exists
 yet), so it holds nothing of an earlier selection's arena (every etgraph session allocates from
-one shared arena that never returns memory: :func:`etgraph.sessions.shared_arena`) and pays the
+one shared arena that never returns memory: :func:`etgraph.ort_options.shared_arena`) and pays the
 imports once. A forked process does not map the parent's file-backed pages (library code) until
 it touches them — its ``VmRSS`` starts ~85 MiB below the parent's — so it first reads one byte
 of every page the parent had resident in its readable file mappings (``/proc/self/pagemap``,
@@ -126,7 +126,8 @@ def main() -> None:
     batch, shape, threads, steps, *dirs = sys.argv[1:]
     start = _status_mb()
     import etgraph.loop  # noqa: F401  (the training process's libraries)
-    from etgraph.sessions import api, session_options
+    from etgraph.ort_options import session_options
+    from etgraph.sessions import api
 
     imported = _status_mb()
     pages = _resident_file_pages()

@@ -3,8 +3,8 @@
 Thread-pool spinning cuts both ways (ORT_NOTES, "Sessions and threads"): on a quiet device a
 spinning pool is faster; beside other work, or with several sessions stepped round robin, it
 steals the cores. With ``spinning="auto"`` the run measures the candidates of
-:data:`etgraph.sessions.TRAIN_CANDIDATES` at its start (full steps side by side at learning
-rate 0 on the full artifacts, :func:`etgraph.sessions.choose_train_config`) and chooses again
+:data:`etgraph.config_choice.TRAIN_CANDIDATES` at its start (full steps side by side at learning
+rate 0 on the full artifacts, :func:`etgraph.config_choice.choose_train_config`) and chooses again
 when the full step measured alike moves by :data:`REPROBE_FACTOR` (:meth:`OrtOptions.recheck`).
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .sessions import TRAIN_CANDIDATES, ConfigChoice, GradientSession, choose_train_config
+from .config_choice import TRAIN_CANDIDATES, ConfigChoice, choose_train_config
+from .sessions import GradientSession
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class OrtOptions:
     """The session options of one run: given, or measured (``spinning="auto"``).
 
     Args:
-        spinning: ``"auto"`` or a label of :data:`etgraph.sessions.TRAIN_CANDIDATES`.
+        spinning: ``"auto"`` or a label of :data:`etgraph.config_choice.TRAIN_CANDIDATES`.
         bounded: the run is under a memory budget: never probed (two all-trainable sessions at
             once would not fit), per-session arenas without the memory pattern (:meth:`given`).
         threads: ORT intra-op threads of the run's sessions (None = ORT's default).
@@ -72,7 +73,7 @@ class OrtOptions:
         deadline_mode: rho is chosen per period (the probe's estimate uses the first rho).
 
     Attributes:
-        choice: the :class:`etgraph.sessions.ConfigChoice` the sessions open with now.
+        choice: the :class:`etgraph.config_choice.ConfigChoice` the sessions open with now.
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class OrtOptions:
 
     @property
     def config(self):
-        """The :class:`etgraph.sessions.OrtConfig` of :attr:`choice`."""
+        """The :class:`etgraph.ort_options.OrtConfig` of :attr:`choice`."""
         return self.choice.config
 
     def given(self, label: str, note: str = "") -> ConfigChoice:
@@ -138,9 +139,9 @@ class OrtOptions:
         slowdown: float | None = None,
     ) -> tuple[bool, GradientSession | None]:
         """Measure which options the run's sessions train fastest with (``spinning="auto"``):
-        :func:`etgraph.sessions.choose_train_config` on the full artifacts (``full_artifacts()``
-        gives their directory: the reference steps' and importance's, so nothing more is
-        generated), on the probe ``batch`` at learning rate 0. Rounds: what
+        :func:`etgraph.config_choice.choose_train_config` on the full artifacts
+        (``full_artifacts()`` gives their directory: the reference steps' and importance's, so
+        nothing more is generated), on the probe ``batch`` at learning rate 0. Rounds: what
         :data:`PROBE_BUDGET` of the run's steps allows, 3 to :data:`PROBE_ROUNDS`; the probe's
         time is charged to the next epoch's wall time (``ort_probe_s``). Not probed (spinning
         off) under a memory budget or at a load average of :data:`PROBE_MAX_LOAD_PER_CORE` per

@@ -40,12 +40,13 @@ from .data import Dataset
 from .errors import InfeasibleMemoryError
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
+from .isolation import check_sessions
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .ort_probe import OrtOptions
 from .profile import Profile, default_cache_dir
 from .selection import IMPORTANCE_STRATEGIES, MemoryCosts, strategy_mask
-from .sessions import GradientSession, TrainingSession, check_sessions
+from .sessions import GradientSession, TrainingSession
 from .timing import StepTimeFit
 
 log = logging.getLogger(__name__)

@@ -117,6 +117,7 @@ from .fold import (
     saved_forward_fraction,
 )
 from .host import freeze_gc, host_description, physical_cores, usable_threads
+from .isolation import check_sessions
 from .measure import (
     measure_node_overhead_us,
     random_batch,
@@ -132,7 +133,6 @@ from .profile_levels import (
     measure_thorough,
     selection_mask,
 )
-from .sessions import check_sessions
 from .timing import BranchCharges, backward_us, step_us
 
 log = logging.getLogger(__name__)

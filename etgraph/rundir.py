@@ -162,7 +162,7 @@ class EpochRecord:
     rho_measured_cpu: float  # as rho_measured, process CPU time
     val_s: float  # validation after the epoch (not in wall_time_s)
     predicted_peak_mb: float | None = None  # the memory model's peak of the selection (MiB)
-    ort_config: str = "off"  # the sessions' options (etgraph.sessions.TRAIN_CANDIDATES label)
+    ort_config: str = "off"  # the sessions' options (etgraph.config_choice.TRAIN_CANDIDATES label)
     ort_probe_s: float = 0.0  # choosing them at the run's start (in wall_time_s)
     ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step (probe)
     ort_note: str = ""  # why the options were not probed (with the epoch that chose them)

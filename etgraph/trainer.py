@@ -150,42 +150,7 @@ class ElasticTrainer(WeightsAccess):
         self.dataset = load_run_data(config, model, self.input_shapes, data, val_data=val_data)
         self.steps_per_epoch = steps_per_epoch(self.dataset, config)
         self.total_steps = self.steps_per_epoch * config.epochs
-        root = artifacts_root or (
-            self.out / rundir.ARTIFACTS_DIR if self.out is not None else self.work_dir / "artifacts"
-        )
-        self.artifacts_root = Path(artifacts_root) if artifacts_root else None
-        # Sessions train at the run's one batch shape, as the profile measured (static shapes:
-        # ViT-B/16 128 px steps 1.38x faster); the exported model gets its symbolic batch back.
-        self.cache = ArtifactCache(root, static_batch=(config.batch_size, self.input_shapes))
-        self.options = OrtOptions(
-            config.spinning,
-            bounded=self.bounded,
-            threads=self.threads,
-            total_steps=self.total_steps,
-            deadline_mode=config.deadline_s is not None,
-        )
-        self.controller = PeriodController(
-            model,
-            self.profile,
-            config,
-            self.dataset,
-            self.cache,
-            self.options,
-            self.work_dir,
-            threads=self.threads,
-            memory_profile=memory_profile,
-        )
-        p = self.profile
-        self.floor_rho = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
-        self.deadline = DeadlinePlanner.for_run(
-            config,
-            started_at=self.started_at,
-            steps_per_epoch=self.steps_per_epoch,
-            n_val=self.dataset.n_val,
-            floor_rho=self.floor_rho,
-            profiled_full_step_s=p.measured_full_step_us * 1e-6,
-            full_step_now_s=self.controller.full_step_now_s,
-        )
+        self._build_parts(artifacts_root)
         # the run's progress
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.epoch = 0  # epochs done
@@ -217,6 +182,47 @@ class ElasticTrainer(WeightsAccess):
                 start_run(self, profile)
 
     # -- construction helpers -------------------------------------------------------------------
+
+    def _build_parts(self, artifacts_root: str | os.PathLike | None) -> None:
+        """The parts the run is wired from (docs/architecture.md, "The training loop"): the
+        artifact cache, the sessions' options (:class:`OrtOptions`), the period controller
+        (:class:`PeriodController`) and the deadline planner, with the smallest feasible rho."""
+        root = artifacts_root or (
+            self.out / rundir.ARTIFACTS_DIR if self.out is not None else self.work_dir / "artifacts"
+        )
+        self.artifacts_root = Path(artifacts_root) if artifacts_root else None
+        # Sessions train at the run's one batch shape, as the profile measured (static shapes:
+        # ViT-B/16 128 px steps 1.38x faster); the exported model gets its symbolic batch back.
+        self.cache = ArtifactCache(root, static_batch=(self.config.batch_size, self.input_shapes))
+        self.options = OrtOptions(
+            self.config.spinning,
+            bounded=self.bounded,
+            threads=self.threads,
+            total_steps=self.total_steps,
+            deadline_mode=self.config.deadline_s is not None,
+        )
+        self.controller = PeriodController(
+            self.model,
+            self.profile,
+            self.config,
+            self.dataset,
+            self.cache,
+            self.options,
+            self.work_dir,
+            threads=self.threads,
+            memory_profile=self.memory_profile,
+        )
+        p = self.profile
+        self.floor_rho = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
+        self.deadline = DeadlinePlanner.for_run(
+            self.config,
+            started_at=self.started_at,
+            steps_per_epoch=self.steps_per_epoch,
+            n_val=self.dataset.n_val,
+            floor_rho=self.floor_rho,
+            profiled_full_step_s=p.measured_full_step_us * 1e-6,
+            full_step_now_s=self.controller.full_step_now_s,
+        )
 
     @contextlib.contextmanager
     def _released_on_error(self):

@@ -138,7 +138,7 @@ def test_reference_ratio_compares_each_reference_with_the_steps_around_it():
 
 
 def test_sessions_have_one_configuration_per_role():
-    from etgraph.sessions import ROLES, OrtConfig, session_options
+    from etgraph.ort_options import ROLES, OrtConfig, session_options
 
     assert set(ROLES) == {"train", "profile", "probe", "eval"}
     for role, cfg in ROLES.items():

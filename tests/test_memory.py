@@ -32,15 +32,10 @@ from etgraph.memory_profiler import (
     profile_memory,
 )
 from etgraph.model import LoadedModel
+from etgraph.ort_options import ROLES, OrtConfig, session_options
 from etgraph.rundir import format_summary
 from etgraph.selection import MemoryCosts
-from etgraph.sessions import (
-    ROLES,
-    OrtConfig,
-    TrainingSession,
-    inference_session,
-    session_options,
-)
+from etgraph.sessions import TrainingSession, inference_session
 
 
 def _profile(n=4):

@@ -11,8 +11,9 @@ import pytest
 
 from etgraph.clock import fit_clock
 from etgraph.config import TrainConfig
+from etgraph.config_choice import TRAIN_CANDIDATES, ConfigChoice, pick_fastest
 from etgraph.errors import ConfigError
-from etgraph.sessions import ROLES, TRAIN_CANDIDATES, ConfigChoice, pick_fastest
+from etgraph.ort_options import ROLES
 
 
 class _FakeClock:

@@ -636,7 +636,7 @@ def test_sessions_do_not_spin():
     """Every ORT session etgraph opens turns thread-pool spinning off: with it on, an idle
     session's threads busy-wait and slow whichever session runs next (README, "Thread-pool
     spinning"), and profiles stop predicting training."""
-    from etgraph.sessions import session_options
+    from etgraph.ort_options import session_options
 
     for threads, prefix in ((None, None), (2, "trace")):
         so = session_options(threads, prefix)

@@ -1,6 +1,6 @@
 """Models as users export them (issue 27): transformers families through torch's TorchScript
 exporter with dynamic batch and sequence axes, and a native crash of ORT kept out of the
-process (:func:`etgraph.sessions.run_isolated`, :func:`etgraph.sessions.check_sessions`)."""
+process (:func:`etgraph.isolation.run_isolated`, :func:`etgraph.isolation.check_sessions`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from helpers import assert_user_error, run_cli
 from PIL import Image
 
-from etgraph.sessions import run_isolated
+from etgraph.isolation import run_isolated
 
 SEQ_LEN = 16
 WORDS = "alpha beta gamma delta eps zeta eta theta iota kappa lam mu nu xi".split()
