@@ -125,7 +125,7 @@ def train_command(ctx: click.Context, model, **opts):
     larger --epochs."""
     from .config import load_run_data
     from .loop import resume, train
-    from .rundir import format_summary
+    from .rundir import check_run_dir, format_summary
 
     progress = not opts["quiet"]
     if opts["resume_dir"] is not None:
@@ -143,6 +143,8 @@ def train_command(ctx: click.Context, model, **opts):
     plan = _compiled_plan(model)
     config = _train_config(plan, opts)  # validated before anything is measured
     loaded, profile = _train_model(model, plan, opts)
+    inputs = (loaded.source, config.data, config.tokenizer, opts["profile_path"])
+    check_run_dir(Path(opts["out"]), inputs)  # before anything is measured
     # The data before the model is profiled: a data error must not wait for profiling.
     shapes = profile.input_shapes if profile is not None else opts["input_shape"] or None
     dataset = load_run_data(config, loaded, loaded.input_shapes(shapes))

@@ -71,6 +71,7 @@ __all__ = [
     "check_not_run_dir",
     "format_summary",
     "locked",
+    "check_run_dir",
     "prepare_run_dir",
     "read_earlier_hashes",
     "read_log",
@@ -207,21 +208,20 @@ class TrainResult:
 COMPILED_FILES = ("plan.json", "model.onnx")
 
 
-def prepare_run_dir(out: Path, inputs: Iterable = ()) -> Path:
-    """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`), not
-    a compiled directory and not holding another run. A run that saved no checkpoint (it failed
-    or was stopped before its first period ended) kept nothing: the new run starts over there.
+def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
+    """Refuse, before any work, a new run's directory ``out`` (which need not exist yet) that
+    holds a special file or one of ``inputs`` where a run file goes, is a compiled directory,
+    or holds a run. A run that saved no checkpoint (it failed or was stopped before its first
+    period ended) kept nothing: a new run may start over there.
 
     Args:
-        inputs: the run's input files (model, data, tokenizer; None entries skipped), which no
-            run file may replace.
+        inputs: the run's input files (model, data, tokenizer, profile; None entries
+            skipped), which no run file may replace.
 
     Raises:
-        ConfigError: ``out`` cannot be written, holds a special file or one of ``inputs`` where
-            a run file goes, is a compiled directory (a run would overwrite its profile and
-            artifacts), or holds a run (continue it with ``--resume``).
+        ConfigError: naming the path and what to do (another ``--out``, or ``--resume`` for a
+            run there).
     """
-    files.ensure_writable_dir(out, "--out")
     run_files = (*_ATOMIC_FILES, PROFILE_FILE, MEMORY_FILE)
     files.check_outputs([out / name for name in run_files], "--out", inputs=inputs)
     if any((out / name).exists() for name in COMPILED_FILES):
@@ -234,6 +234,17 @@ def prepare_run_dir(out: Path, inputs: Iterable = ()) -> Path:
             f"{out} already holds a training run: continue it with `etgraph train --resume {out}` "
             "or choose another --out"
         )
+
+
+def prepare_run_dir(out: Path, inputs: Iterable = ()) -> Path:
+    """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`) and
+    accepted by :func:`check_run_dir`.
+
+    Raises:
+        ConfigError: ``out`` cannot be written, or :func:`check_run_dir` refuses it.
+    """
+    files.ensure_writable_dir(out, "--out")
+    check_run_dir(out, inputs)
     if (out / RUN_FILE).exists():
         log.info("%s holds a run that saved no checkpoint: starting it over", out)
     return out

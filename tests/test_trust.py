@@ -145,6 +145,19 @@ def test_compile_into_the_models_own_folder_does_not_replace_the_model(cli, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
+def test_train_into_the_models_own_folder_does_not_replace_the_model(
+    cli, default_model_path, tmp_path
+):
+    # a trained model trained again where it lies: the export (model_trained.onnx) would be it
+    model = tmp_path / "model_trained.onnx"
+    shutil.copyfile(default_model_path, model)
+    before = model.read_bytes()
+    done = cli("train", model, "--out", tmp_path, "--epochs", "1", "--max-steps-per-epoch", "2")
+    assert_user_error(done, f"would replace the input {model}", "--out")
+    assert model.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_trained.onnx"]
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_profile_output_on_a_special_file_is_refused(cli, default_model_path, tmp_path, kind):
     target = tmp_path / "profile.json"
