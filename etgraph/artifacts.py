@@ -72,7 +72,7 @@ from . import files
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .derive import derive_training_graph
 from .errors import ConfigError, ModelError, UnsupportedOpError, first_line
-from .model import with_batch
+from .io_specs import with_batch
 from .onnx_io import model_structure
 
 #: ``(batch size, per-input shapes without the batch)``: artifacts at a static batch shape.
@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
 
-#: ORT's loss blocks by etgraph's loss names (``--loss``; :class:`etgraph.model.Task`).
+#: ORT's loss blocks by etgraph's loss names (``--loss``; :class:`etgraph.io_specs.Task`).
 _LOSSES = {"ce": ort_artifacts.LossType.CrossEntropyLoss, "mse": ort_artifacts.LossType.MSELoss}
 
 
@@ -348,7 +348,7 @@ def generate(
         checkpoint: write ``checkpoint`` with ``model``'s values (no optimizer state); False:
             the three graphs only (``model`` may then be a :func:`placeholder_weights` copy).
         static_batch: ``(batch size, per-input shapes)``: the graphs' data inputs get these
-            static shapes (:func:`etgraph.model.with_batch`, on the weightless copy: no second
+            static shapes (:func:`etgraph.io_specs.with_batch`, on the weightless copy: no second
             copy of the weights), as the profile measures them — ORT then folds the shape
             arithmetic (ViT-B/16 at 128 px: full step 511 vs 697 ms with a symbolic batch).
 

@@ -28,8 +28,9 @@ from .errors import ConfigError
 from .files import exclusive_lock, private_temp_dir
 from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance import probe_importance
+from .io_specs import exported_batch_hint
 from .memory import MemoryProfile, check_step_fits
-from .model import LoadedModel, TensorInfo, exported_batch_hint
+from .model import LoadedModel, TensorInfo
 from .plan import Plan, prepare_compiled_dir
 from .text import check_text_options
 

@@ -117,13 +117,14 @@ from .fold import (
     saved_forward_fraction,
 )
 from .host import freeze_gc, host_description, physical_cores, usable_threads
+from .io_specs import exported_batch_hint
 from .measure import (
     measure_node_overhead_us,
     random_batch,
     step_clock,
 )
 from .memory import check_step_fits
-from .model import LoadedModel, exported_batch_hint
+from .model import LoadedModel
 from .profile import Profile, profile_key
 from .profile_levels import (
     Measured,

@@ -49,7 +49,8 @@ from .checkpoint import checkpoint_target, read_checkpoint
 from .errors import ModelError, NativeCrashError
 from .files import private_temp_dir, write_atomic
 from .host import usable_threads
-from .model import LoadedModel, random_batch
+from .io_specs import random_batch
+from .model import LoadedModel
 
 log = logging.getLogger(__name__)
 
