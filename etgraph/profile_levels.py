@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .artifact_weights import placeholder_weights, save_baked
 from .artifacts import (
     ArtifactCache,
     inference_batch_norms,
     no_gradient_error,
-    placeholder_weights,
-    save_baked,
     training_graphs,
 )
 from .errors import ModelError, first_line

@@ -44,7 +44,8 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.training import api
 
-from .artifacts import ArtifactCache, bake_frozen
+from .artifact_weights import bake_frozen
+from .artifacts import ArtifactCache
 from .checkpoint import checkpoint_target, read_checkpoint
 from .errors import ModelError, NativeCrashError
 from .files import private_temp_dir, write_atomic
