@@ -9,7 +9,7 @@ from its ``plan.json``) -- time one training step on both sides, round robin in 
   ``--threads`` intra-op threads), ``train_step(x, y, 1e-4)`` = forward + backward + AdamW +
   gradient reset. Two etgraph sides on the same artifacts and checkpoint: ``etgraph`` (what
   training runs: the frozen parameters baked into the graphs as constants,
-  :func:`etgraph.artifacts.bake_frozen`) and ``generated`` (the artifacts as
+  :func:`etgraph.artifact_weights.bake_frozen`) and ``generated`` (the artifacts as
   ``generate_artifacts`` wrote them, ``bake=False``; skipped with ``--no-generated``), so the
   effect of the rewrite is measured in the same round robin.
 - torch: the very module the ONNX was exported from (``models.zoo.build`` with seed 0, exported

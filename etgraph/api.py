@@ -13,7 +13,8 @@ import onnx
 
 from .data import DEFAULT_MODEL_PATH
 from .errors import ConfigError
-from .model import LOSSES, LoadedModel
+from .io_specs import LOSSES
+from .model import LoadedModel
 from .onnx_io import legalize_proto
 from .profile import Profile, default_cache_dir
 

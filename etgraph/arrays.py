@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
+from .io_specs import InputSpec, Task
 from .labels import MAX_CLASS_INDEX
-from .model import InputSpec, Task
 from .splits import Split, check_batch_size, random_split, stratified_split
 from .text import check_text_options, load_text_data
 
@@ -104,7 +104,7 @@ def load_npz_dataset(
         path: the ``.npz`` file.
         inputs: the model's inputs (:attr:`etgraph.model.LoadedModel.inputs`).
         shapes: per-sample shape of each input (:meth:`etgraph.model.LoadedModel.input_shapes`).
-        task: the output and loss (:class:`etgraph.model.Task`).
+        task: the output and loss (:class:`etgraph.io_specs.Task`).
         val_fraction: fraction held out for validation, in [0, 1).
         seed: split seed.
 

@@ -316,7 +316,8 @@ def profile_command(
     `etgraph compile` profiles too (cached) and `etgraph train DIR` reuses a compiled
     directory's profile: run this one to inspect or share a profile."""
     from .files import ensure_writable_file
-    from .model import LoadedModel, parse_input_shapes
+    from .io_specs import parse_input_shapes
+    from .model import LoadedModel
     from .profile import default_cache_dir, format_shapes
     from .profiler import profile_model
 

@@ -24,8 +24,8 @@ output_option = click.option(
     default=None,
     help="The graph output to train on, when the model has several [its only output].",
 )
-#: etgraph.model.LOSSES, spelled out: importing etgraph.model here would load onnx_ir's passes
-#: and onnxscript for every command (tests/test_inputs_outputs.py checks they agree).
+#: etgraph.io_specs.LOSSES, spelled out: importing etgraph.io_specs here would load onnx_ir's
+#: passes and onnxscript for every command (tests/test_inputs_outputs.py checks they agree).
 CLI_LOSSES = ("ce", "mse")
 
 loss_option = click.option(

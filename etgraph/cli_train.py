@@ -280,7 +280,7 @@ def _train_model(model, plan, opts: dict):
     has one output; its loss is the one it was compiled for), an ONNX file or the default. The
     profile is the given or compiled one; None = measure it (after the data is loaded)."""
     from .api import load_model
-    from .model import parse_input_shapes
+    from .io_specs import parse_input_shapes
     from .profile import Profile, format_shapes
 
     input_shape, loss = opts["input_shape"] or None, opts["loss"]

@@ -56,7 +56,7 @@ from .images import (
     load_digits_arrays,
     scan_image_folder,
 )
-from .model import InputSpec, Task
+from .io_specs import InputSpec, Task
 from .splits import Batch, Split, check_batch_size, check_num_classes, stratified_split
 from .text import check_text_options, is_text_file
 

@@ -2,8 +2,8 @@
 weights (what ``model_trained.onnx`` is).
 
 :func:`export_trained` streams a selection's eval graph with a checkpoint's weights
-(:func:`etgraph.artifacts.export_inference_model`: no session, the weights held once), gives it
-the symbolic batch back and the head legalisation took off (:func:`etgraph.onnx_io.
+(:func:`etgraph.artifact_weights.export_inference_model`: no session, the weights held once),
+gives it the symbolic batch back and the head legalisation took off (:func:`etgraph.onnx_io.
 restore_exported`), the original model's other outputs when one of several was trained, and the
 class names; written under a hidden name and renamed into place complete.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from .artifacts import export_inference_model
+from .artifact_weights import export_inference_model
 from .errors import ModelError
 from .files import temporary_prefix
 from .labels import set_class_names, stamp_onnx

@@ -33,6 +33,7 @@ from .artifacts import ArtifactCache, generate
 from .dumps import read_graph
 from .errors import ConfigError, ModelError
 from .files import private_temp_dir
+from .io_specs import input_specs, removed_head
 from .onnx_io import model_hash
 from .ops import op_rule
 
@@ -163,10 +164,10 @@ def build_tensor_graph(
         model_hash=model_hash(model),
         num_tensors=len(tensors),
         num_ops=len(training.graph.node),
-        input_names=[i.name for i in model_spec.input_specs(model)],
+        input_names=[i.name for i in input_specs(model)],
         output_name=output_name,
         loss=loss,
-        removed_head=model_spec.removed_head(model),
+        removed_head=removed_head(model),
     )
     for t in tensors:
         graph.add_node(

@@ -143,12 +143,13 @@ class ImportanceEvaluator:
         cache: artifact cache; the all-trainable artifacts are generated once and reused.
         weight_decay: AdamW weight decay, the run's value (it enters delta_w).
         threads: ORT intra-op threads (None = ORT's default), the run's setting.
-        loss: the loss (``"ce"`` or ``"mse"``; :attr:`etgraph.model.Task.loss`).
+        loss: the loss (``"ce"`` or ``"mse"``; :attr:`etgraph.io_specs.Task.loss`).
         input_names: the model's input names, graph order (to feed single-array batches).
         chunks: None: one all-trainable session, kept between evaluations. Else runs of
             tensor indices (:func:`gradient_chunks`) evaluated one session at a time, from a
             checkpoint file (:meth:`evaluate_checkpoint`; module docstring); ``model`` may then
-            hold placeholders for its weights (:func:`etgraph.artifacts.placeholder_weights`).
+            hold placeholders for its weights
+            (:func:`etgraph.artifact_weights.placeholder_weights`).
         config: its session's options (the run's training options, so the reference steps
             timed on it are measured alike); default the "probe" role's.
         variant: which update defines delta_w, one of :data:`IMPORTANCE_VARIANTS`

@@ -33,7 +33,8 @@ import onnxruntime as ort
 from .artifacts import ArtifactCache
 from .errors import ModelError, NativeCrashError
 from .files import write_atomic
-from .model import LoadedModel, random_batch
+from .io_specs import random_batch
+from .model import LoadedModel
 from .sessions import TrainingSession, class_logits
 
 log = logging.getLogger(__name__)

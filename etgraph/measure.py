@@ -39,7 +39,8 @@ from . import artifacts
 from .errors import ConfigError, ModelError
 from .files import private_temp_dir
 from .host import physical_cores
-from .model import Batch, LoadedModel, random_batch
+from .io_specs import Batch, random_batch
+from .model import LoadedModel
 from .ort_options import session_options
 from .sessions import TrainingSession, inference_session
 

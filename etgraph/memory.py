@@ -77,7 +77,7 @@ from passes.onnx import DEFAULT_FROZEN_BN
 from .errors import ConfigError, ProfileMismatchError
 from .files import read_json, write_json_atomic
 from .host import available_memory_bytes
-from .model import with_batch
+from .io_specs import with_batch
 
 __all__ = [
     "MEMORY_FORMAT_VERSION",
@@ -106,7 +106,7 @@ def _dtype_bytes(elem_type: int) -> int:
 
 def least_step_bytes(model: onnx.ModelProto, batch_size: int, shapes) -> float:
     """A lower bound of the memory one training step of ``model`` at ``batch_size`` and
-    per-example input ``shapes`` (:func:`etgraph.model.input_shapes`) needs, bytes: its
+    per-example input ``shapes`` (:func:`etgraph.io_specs.input_shapes`) needs, bytes: its
     weights, plus the largest node's inputs and outputs together (from ONNX shape inference;
     values whose shape is not static count 0). The weights are not copied: shapes are inferred
     on the graph with only the small initializers' values, which shape computations read."""

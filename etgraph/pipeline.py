@@ -29,8 +29,9 @@ from .errors import ConfigError
 from .files import exclusive_lock, private_temp_dir
 from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance import probe_importance
+from .io_specs import exported_batch_hint
 from .memory import MemoryProfile, check_step_fits
-from .model import LoadedModel, TensorInfo, exported_batch_hint
+from .model import LoadedModel, TensorInfo
 from .plan import Plan, prepare_compiled_dir
 from .text import check_text_options
 
@@ -122,7 +123,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         rho: requested step time as a fraction of full training, in (0, 1].
         batch_size: training batch size the profile and plan are for (> 0).
         input_shape: per-input shapes (``--input-shape`` texts ``NAME=DIMS`` or a bare
-            ``"CxHxW"``, a mapping, or ``(C, H, W)``; :func:`etgraph.model.input_shapes`);
+            ``"CxHxW"``, a mapping, or ``(C, H, W)``; :func:`etgraph.io_specs.input_shapes`);
             required where the model's dims are symbolic.
         data: dataset spec for the importance probe (``"digits"``, an image-folder path, a
             ``.npz`` file, or a .csv/.jsonl text file; :func:`etgraph.data.load_task_data`);
@@ -349,13 +350,13 @@ def compile_model(
         rho: requested step time as a fraction of full training, in (0, 1].
         batch_size: training batch size the profile and plan are for (> 0).
         input_shape: per-input shapes (``--input-shape`` texts ``NAME=DIMS`` or a bare
-            ``"CxHxW"``, a mapping, or ``(C, H, W)``; :func:`etgraph.model.input_shapes`);
+            ``"CxHxW"``, a mapping, or ``(C, H, W)``; :func:`etgraph.io_specs.input_shapes`);
             required where the model's dims are symbolic.
         data: dataset spec for the importance probe (``"digits"``, an image-folder path or a
             ``.npz`` file, or a .csv/.jsonl text file; :func:`etgraph.data.load_task_data`).
         tokenizer: the model's ``tokenizer.json`` for text ``data``.
         output: the graph output to train on (None: the model's only output).
-        loss: ``"ce"`` (cross-entropy on logits) or ``"mse"`` (:class:`etgraph.model.Task`).
+        loss: ``"ce"`` (cross-entropy on logits) or ``"mse"`` (:class:`etgraph.io_specs.Task`).
         profile_level: ``"fast"`` or ``"thorough"`` (:data:`etgraph.profiler.LEVELS`).
         repeats: profiler repetitions per configuration (None: the level's default).
         threads: ORT intra-op threads (default: profiler's default).

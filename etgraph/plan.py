@@ -345,7 +345,7 @@ class Plan:
     def write(self, out: Path) -> None:
         """:meth:`save`'s work into ``out`` (checked by :func:`prepare_compiled_dir`, its lock
         held by the caller)."""
-        from . import artifacts, dumps  # the generator and networkx: only when writing
+        from . import artifact_weights, artifacts, dumps  # the generator, networkx: on write
 
         with staged_directory(out, COMPILED_OUTPUTS, PLAN_FILE) as stage:
             with atomic_target(stage / MODEL_FILE) as tmp:
@@ -363,8 +363,8 @@ class Plan:
                 static_batch=(self.batch_size, self.input_shapes),  # as the profile measured
             )
             if self.artifacts_form == "baked":  # what etgraph's loop runs (and profiles)
-                weights = artifacts.initializer_values(self.model.proto, self.frozen)
-                artifacts.bake_frozen(paths.directory, weights, paths.directory)
+                weights = artifact_weights.initializer_values(self.model.proto, self.frozen)
+                artifact_weights.bake_frozen(paths.directory, weights, paths.directory)
             plan = self.to_json()
             graph = self.tensor_graph
             if graph is not None:

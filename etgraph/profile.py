@@ -88,7 +88,7 @@ class Profile:
             the time model's full step.
         batch_size, threads (intra-op threads), ort_version, host.
         input_shapes: per-sample shape (dims after the batch) of every model input, by name,
-            graph order (:func:`etgraph.model.input_shapes`).
+            graph order (:func:`etgraph.io_specs.input_shapes`).
         loss: the loss the training graphs were built with (``"ce"`` or ``"mse"``).
         clock: how real steps were timed, ``"wall"`` or ``"cpu"``
             (:func:`etgraph.measure.step_clock`).

@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .artifact_weights import placeholder_weights, save_baked
 from .artifacts import (
     ArtifactCache,
     inference_batch_norms,
     no_gradient_error,
-    placeholder_weights,
-    save_baked,
     training_graphs,
 )
 from .errors import ModelError, first_line
@@ -268,7 +267,7 @@ def _fast_training_graphs(
                 light, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn.get(c, "train")
             )
     # The last_only steps as training sessions run them: frozen parameters baked in
-    # (etgraph.artifacts.bake_frozen); only their step times are used.
+    # (etgraph.artifact_weights.bake_frozen); only their step times are used.
     for c in ("last_only", "last_only_inference"):
         if c in graphs_in:
             graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")

@@ -56,7 +56,7 @@ measured times into the time model in :mod:`etgraph.fold`:
    tensor trainable), is timed as a real step; the share of the forward it saves
    (:func:`etgraph.fold.saved_forward_fraction`) is moved from the forward pass to ``t_dy_us``
    of each forward node's anchor tensor (:func:`etgraph.fold.forward_us_by_anchor`). Sessions
-   bake frozen parameters into their graphs (:func:`etgraph.artifacts.bake_frozen`), so with
+   bake frozen parameters into their graphs (:func:`etgraph.artifact_weights.bake_frozen`), so with
    batch norms in inference mode the frozen forward is fused further (Conv + BN + activation):
    ``last_only_inference`` (the same mask, ``--frozen-bn inference``) is timed too, and what
    the inference time model does not explain of it is spread over the anchors likewise
@@ -117,6 +117,7 @@ from .fold import (
     saved_forward_fraction,
 )
 from .host import freeze_gc, host_description, physical_cores, usable_threads
+from .io_specs import exported_batch_hint
 from .isolation import check_sessions
 from .measure import (
     measure_node_overhead_us,
@@ -124,7 +125,7 @@ from .measure import (
     step_clock,
 )
 from .memory import check_step_fits
-from .model import LoadedModel, exported_batch_hint
+from .model import LoadedModel
 from .profile import Profile, profile_key
 from .profile_levels import (
     Measured,

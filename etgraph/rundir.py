@@ -308,7 +308,7 @@ def write_run_file(
         config: the configuration as JSON (``TrainConfig.to_json()``).
         config_hash: its digest (``TrainConfig.digest()``), checked on resume.
         artifacts_root: a shared artifact cache, or None for the run's own ``artifacts/``.
-        task: the output trained on and the loss (:meth:`etgraph.model.Task.to_json`), to
+        task: the output trained on and the loss (:meth:`etgraph.io_specs.Task.to_json`), to
             reload the model with on resume (:func:`read_run_task`).
         earlier_hashes: the digests of the run's configurations before it was extended
             (``--resume --epochs``): its checkpoints written under them still resume it.

@@ -30,7 +30,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.training import api
 
-from .artifacts import bake_frozen
+from .artifact_weights import bake_frozen
 from .checkpoint import checkpoint_target, read_checkpoint
 from .files import private_temp_dir
 from .ort_options import OrtConfig, session_options
@@ -154,7 +154,7 @@ class TrainingSession:
             inputs are one array (:func:`as_inputs`).
         config: session options (benchmarks); default the "train" role's.
         bake: open the Module on copies of the graphs in which the frozen parameters are
-            constants valued from ``checkpoint`` (:func:`etgraph.artifacts.bake_frozen`, in a
+            constants valued from ``checkpoint`` (:func:`etgraph.artifact_weights.bake_frozen`, in a
             temporary directory removed with the session), so ORT optimises the frozen part of
             the network (issue #16); False: the artifacts as generated (benchmarks).
         weights: the values ``checkpoint`` holds, by name, if the caller has them (baking

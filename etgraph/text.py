@@ -196,7 +196,7 @@ def load_tokenizer(path: str | os.PathLike, *, vocab_rows: int | None = None) ->
     Args:
         path: the tokenizer file (``tokenizers`` JSON format, as ``transformers`` saves it).
         vocab_rows: rows of the model's word-embedding table (the ``input_ids`` input's
-            :attr:`etgraph.model.InputSpec.index_rows`); None skips the check.
+            :attr:`etgraph.io_specs.InputSpec.index_rows`); None skips the check.
 
     Raises:
         DataError: the file is missing or not a tokenizer; its vocabulary (with added tokens)

@@ -39,7 +39,8 @@ import numpy as np
 from tqdm import tqdm
 
 from . import files, rundir
-from .artifacts import ArtifactCache, lazy_initializer_values, placeholder_weights
+from .artifact_weights import lazy_initializer_values, placeholder_weights
+from .artifacts import ArtifactCache
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .clock import DeadlinePlanner, reference_steps_at
 from .config import TrainConfig, check_run_inputs, load_run_data, steps_per_epoch

@@ -137,7 +137,7 @@ def test_cache_hits_by_structure_and_selection_and_removes_temporaries(tmp_path)
 def test_graphs_come_from_placeholder_weights(tmp_path):
     """The graphs do not depend on the weights: generating from placeholders gives the same
     files, the checkpoint holds the model's values, and a placeholder model has none to give."""
-    from etgraph.artifacts import initializer_values, placeholder_weights
+    from etgraph.artifact_weights import initializer_values, placeholder_weights
     from etgraph.checkpoint import read_checkpoint
 
     model = conv_bn_model()
@@ -173,7 +173,7 @@ def test_graphs_come_from_placeholder_weights(tmp_path):
 def test_streamed_inference_export_equals_orts(tmp_path):
     """export_inference_model (no session, weights streamed from the checkpoint) writes the
     model ORT's export_model_for_inferencing writes: same inputs, outputs, predictions."""
-    from etgraph.artifacts import export_inference_model
+    from etgraph.artifact_weights import export_inference_model
     from etgraph.checkpoint import read_checkpoint
     from etgraph.sessions import TrainingSession, inference_session
 

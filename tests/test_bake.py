@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes import PreconditionError
 
-from etgraph.artifacts import bake_frozen, generate
+from etgraph.artifact_weights import bake_frozen
+from etgraph.artifacts import generate
 from etgraph.checkpoint import CarriedState, write_checkpoint
 from etgraph.data import load_dataset
 from etgraph.sessions import TrainingSession

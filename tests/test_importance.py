@@ -296,7 +296,7 @@ def test_chunked_importance_from_a_checkpoint_equals_the_all_trainable_one(
     """Under a memory budget: weights read from a checkpoint file, one gradient session per
     chunk, from a model whose weights are placeholders; the same importance as one
     all-trainable session (gradients do not depend on what else is trainable)."""
-    from etgraph.artifacts import placeholder_weights
+    from etgraph.artifact_weights import placeholder_weights
     from etgraph.checkpoint import CarriedState, write_checkpoint
 
     evaluator, names, stats, weights, batch = setup

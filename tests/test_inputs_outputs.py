@@ -26,7 +26,8 @@ from etgraph.data import load_task_data
 from etgraph.dumps import read_graph
 from etgraph.errors import ConfigError, DataError
 from etgraph.graph import build_tensor_graph, charges
-from etgraph.model import LOSSES, InputSpec, LoadedModel, Task, input_shapes
+from etgraph.io_specs import LOSSES, InputSpec, Task, input_shapes
+from etgraph.model import LoadedModel
 from etgraph.ops import data_path_values
 from etgraph.sessions import evaluate_onnx
 

@@ -21,13 +21,13 @@ from onnx_ir.passes import PostconditionError, PreconditionError
 from etgraph.artifacts import generate
 from etgraph.errors import ConfigError, ModelError, UnsupportedOpError
 from etgraph.graph import build_tensor_graph
-from etgraph.model import (
-    LoadedModel,
+from etgraph.io_specs import (
     exported_batch,
     exported_batch_hint,
     input_shapes,
     parse_input_shapes,
 )
+from etgraph.model import LoadedModel
 from etgraph.onnx_io import legalize, load_model, model_hash, restore_exported
 from etgraph.ops import data_path_values, node_reads
 from etgraph.sessions import TrainingSession, evaluate_onnx

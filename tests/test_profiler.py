@@ -15,7 +15,7 @@ import pytest
 from helpers import make_model, random_initializer, save_model
 from onnx import TensorProto, helper
 
-from etgraph import artifacts, graph, onnx_io, timing
+from etgraph import artifact_weights, artifacts, graph, onnx_io, timing
 from etgraph.artifacts import ArtifactCache
 from etgraph.errors import ConfigError, ProfileMismatchError
 from etgraph.fold import (
@@ -616,8 +616,8 @@ def test_step_us_predicts_measured_steps_of_other_selections(resnet18s_model, pr
     # prediction is compared at the machine speed of that moment.
     speed = full / prof.measured_full_step_us
     rel = predicted * speed / measured - 1.0
-    # Training sessions bake their frozen parameters (artifacts.bake_frozen), so a frozen layer
-    # the gradient still passes through runs faster than the profile's per-node times, which
+    # Training sessions bake their frozen parameters (artifact_weights.bake_frozen), so a frozen
+    # layer the gradient still passes through runs faster than the profile's per-node times, which
     # are of unbaked graphs: on this 1.5 ms model the first_only step baked is 0.78x unbaked
     # (MobileNetV2 at 128 px: 0.99x with batch norms in training mode, as here; 0.865x in
     # inference mode, docs/results.md "Frozen parameters become constants"), and the time model
@@ -707,7 +707,7 @@ def test_training_graphs_are_the_generated_ones(resnet18s_model, tmp_path, froze
     assert nodes(training) == nodes(onnx.load(str(paths.training_model)))
     assert nodes(optimizer) == nodes(onnx.load(str(paths.optimizer_model)))
     big = [i for i in model_b.graph.initializer if len(i.raw_data) > 4096]
-    light = artifacts.placeholder_weights(model_b, [i.name for i in big])
+    light = artifact_weights.placeholder_weights(model_b, [i.name for i in big])
     assert big and all(
         len(i.raw_data) == 4 for i in light.graph.initializer if i.name in {b.name for b in big}
     )

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from etgraph.data import load_task_data
 from etgraph.errors import DataError
+from etgraph.io_specs import InputSpec, Task
 from etgraph.labels import (
     METADATA_KEY,
     load_class_names,
@@ -21,7 +22,6 @@ from etgraph.labels import (
     save_class_names,
     stamp_onnx,
 )
-from etgraph.model import InputSpec, Task
 from etgraph.text import (
     check_text_options,
     is_text_file,

@@ -9,7 +9,8 @@ import onnxruntime as ort
 import pytest
 
 from etgraph.data import load_task_data
-from etgraph.model import LoadedModel, input_specs
+from etgraph.io_specs import input_specs
+from etgraph.model import LoadedModel
 
 
 def embedding_rows(model: onnx.ModelProto) -> int | None:

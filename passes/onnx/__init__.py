@@ -52,7 +52,7 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
 (``--frozen-bn inference``): the batch norms whose gamma and beta are both unselected
 (:func:`frozen_batch_norms`) run as their inference affine map.
 
-:class:`BakeFrozenParamsPass` is applied per session (:func:`etgraph.artifacts.bake_frozen`):
+:class:`BakeFrozenParamsPass` is applied per session (:func:`etgraph.artifact_weights.bake_frozen`):
 the frozen parameters of a training and eval graph (:func:`bakeable_params`) become constants
 valued from the checkpoint the session starts from, so ORT optimises the frozen part as at
 inference.

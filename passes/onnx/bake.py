@@ -19,7 +19,7 @@ parameter inputs (names in ``weights``) that have no gradient accumulation buffe
 trained) and are not the running statistics a training-mode batch norm (``BatchNormInternal``)
 updates. The checkpoint still holds every parameter, so nothing about carrying weights
 changes; the constants must equal the values the session starts from (etgraph bakes them from
-the very checkpoint the session loads, :func:`etgraph.artifacts.bake_frozen`).
+the very checkpoint the session loads, :func:`etgraph.artifact_weights.bake_frozen`).
 """
 
 from __future__ import annotations

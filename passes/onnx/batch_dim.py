@@ -8,7 +8,7 @@ target shape starts with the old batch size (Caffe2-era zoo models flatten to ``
 torch writes ``x.view(B, T, heads, d)`` with every size known at export as a Concat of scalar
 Constants) get ``0`` there instead: ONNX's "copy this dimension from the input". A batch
 folded into a product (``[T, B*heads, d]``) stays: the error at another batch names the export
-batch (:func:`etgraph.model.exported_batch_hint`).
+batch (:func:`etgraph.io_specs.exported_batch_hint`).
 """
 
 from __future__ import annotations
