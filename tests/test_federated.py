@@ -477,8 +477,11 @@ def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
     )
     app = tmp_path / "app"
     shutil.copytree(ROOT / "etgraph" / "federated" / "app", app)
-    env = {**_env(cache_env), "FLWR_HOME": str(home)}
     bin_dir = Path(sys.executable).parent
+    # the SuperLink starts flower-superexec from PATH: this interpreter's scripts first (a venv
+    # used without activating it)
+    path = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+    env = {**_env(cache_env), "FLWR_HOME": str(home), "PATH": path}
     started = []
     try:
         started.append(
