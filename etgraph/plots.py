@@ -43,6 +43,10 @@ VALIDATION, TRAINING = "C0", "C1"
 MAX_NAMED = 60
 
 
+#: Inches per character of a tensor name on the x axis (6 pt, written upwards).
+LABEL_CHAR_IN = 0.05
+
+
 def _figure(figsize: tuple[float, float]):
     """A new ``matplotlib.figure.Figure`` (matplotlib imported here: see the module docstring)."""
     from matplotlib.figure import Figure
@@ -129,7 +133,9 @@ def plot_selection(
 
 def _name_ticks(ax, names: Sequence[str], n: int) -> None:
     """Name the x axis's ``n`` tensors: each by name up to :data:`MAX_NAMED`, else each layer
-    group (the name up to its last ``.`` or ``/``) at its first tensor; indices without names."""
+    group (the name up to its last ``.`` or ``/``) at its first tensor; indices without names.
+    The figure grows by the height of the longest name, written upwards (a figure of two epochs
+    had no room for a transformer's tensor names: matplotlib could not lay it out)."""
     if not names or len(names) != n:
         return
     if n <= MAX_NAMED:
@@ -142,6 +148,9 @@ def _name_ticks(ax, names: Sequence[str], n: int) -> None:
         labels = [groups[i] for i in ticks]
     ax.set_xticks(list(ticks))
     ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    fig = ax.get_figure()
+    longest = max(map(len, labels), default=0)
+    fig.set_figheight(fig.get_figheight() + LABEL_CHAR_IN * longest)
 
 
 def _group(name: str) -> str:

@@ -131,3 +131,17 @@ def test_pictures_name_tensors_and_keep_one_colour_per_series(tmp_path):
         {line.get_label(): line.get_color() for line in ax.get_lines()} for ax in drawn[0].axes
     ]
     assert colours[0] == colours[1] and colours[0]["validation"] != colours[0]["training"]
+
+
+def test_selection_picture_has_room_for_long_tensor_names(tmp_path):
+    """A transformer's tensor names on a two-epoch run: matplotlib warned it could not lay the
+    figure out (the names, written upwards, were taller than the figure)."""
+    import warnings
+
+    from etgraph import plots
+
+    names = [f"encoder.layer.{i}.attention.output.LayerNorm.weight" for i in range(12)]
+    records = [{"epoch": e, "selection": [1, 2], "n_tensors": len(names)} for e in (1, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plots.plot_selection(records, tmp_path / "selection.png", names=names)
