@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from ..cli_options import tokenizer_option
 from ..errors import ConfigError
 from .config import STRATEGIES, FederateConfig, parse_seconds
 
@@ -48,7 +49,7 @@ def _round_line(record: dict) -> str:
 @click.command("federate")
 @click.argument("model", required=False, type=click.Path())
 @click.option("--data", default=None, help="Dataset spec, as etgraph train's [digits].")
-@click.option("--tokenizer", default=None, type=click.Path(), help="tokenizer.json (text).")
+@tokenizer_option
 @click.option("--clients", default=8, show_default=True, type=int, help="Flower SuperNodes.")
 @click.option("--rounds", default=20, show_default=True, type=int, help="Federated rounds.")
 @click.option(
