@@ -28,7 +28,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .errors import ConfigError
@@ -52,6 +52,7 @@ __all__ = [
     "temporary_prefix",
     "write_atomic",
     "write_json_atomic",
+    "write_parts",
 ]
 
 #: The lock file of a run or compiled directory (:func:`exclusive_lock`); it holds the pid.
@@ -87,11 +88,23 @@ def atomic_target(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically; returns the path."""
-    payload = data.encode() if isinstance(data, str) else data
+def write_parts(path: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> None:
+    """Write the bytes-like ``parts`` to ``path`` one after another (created or truncated),
+    each from its own memory: no joined copy."""
+    with open(path, "wb", buffering=0) as f:
+        for part in parts:
+            view = memoryview(part)
+            while view.nbytes:  # a raw write may write less than asked
+                view = view[f.write(view) :]
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str | Sequence[bytes | memoryview]) -> Path:
+    """Write ``data`` (bytes, text as UTF-8, or bytes-like parts written in order,
+    :func:`write_parts`) to ``path`` atomically; returns the path."""
+    if isinstance(data, str):
+        data = data.encode()
     with atomic_target(path) as tmp:
-        tmp.write_bytes(payload)
+        write_parts(tmp, [data] if isinstance(data, (bytes, bytearray, memoryview)) else data)
     return Path(path)
 
 

@@ -101,6 +101,29 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
         write_checkpoint(path, CarriedState(weights), ["nope"])
 
 
+def test_checkpoint_written_from_the_arrays_survives_the_builder_growing(tmp_path, monkeypatch):
+    """The tensors' bytes are written from the arrays at places recorded while building; a
+    builder that outgrows its first buffer moves what it built, and the file must not move."""
+    import etgraph.checkpoint as checkpoint
+
+    rng = np.random.default_rng(1)
+    weights = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in
+               enumerate([(3, 5), (7,), (), (64, 3, 3, 3), (1000,)])}  # fmt: skip
+    moments = {"t0": {"momentum0": np.ones((3, 5), np.float32),
+                      "momentum1": np.full((3, 5), 2.0, np.float32)}}  # fmt: skip
+    state = CarriedState(weights, moments, step=3)
+    write_checkpoint(tmp_path / "sized", state, ["t0", "t3"], properties={"k": "v"})
+    real = checkpoint._builder
+    monkeypatch.setattr(checkpoint, "_builder", lambda size: real(64))  # grows many times
+    write_checkpoint(tmp_path / "grown", state, ["t0", "t3"], properties={"k": "v"})
+    assert (tmp_path / "grown").read_bytes() == (tmp_path / "sized").read_bytes()
+    again, requires_grad, _ = read_checkpoint(tmp_path / "grown")
+    assert sorted(requires_grad) == ["t0", "t3"]
+    for name, value in weights.items():
+        np.testing.assert_array_equal(again.weights[name], value)
+    np.testing.assert_array_equal(again.moments["t0"]["momentum1"], moments["t0"]["momentum1"])
+
+
 # ---- carrying state across a re-selection -----------------------------------------------------
 
 
