@@ -190,11 +190,13 @@ def bake_frozen(
     if not frozen:
         return directory
     out_dir.mkdir(parents=True, exist_ok=True)
+    data = out_dir / "training_model.onnx.data"  # one file: the eval graph's are a subset
+    written = None
     for name, model in (("training_model.onnx", training), ("eval_model.onnx", None)):
         model = model if model is not None else onnx.load(str(directory / name))
         # The trained model is exported from the generated eval graph and a checkpoint
         # (etgraph.loop), never from these.
-        bake_into(model, weights, frozen, out_dir / f"{name}.data")
+        written = bake_into(model, weights, frozen, data, written=written)
         onnx.save(model, str(out_dir / name))
     target = out_dir / "optimizer_model.onnx"
     if target.resolve() != (directory / target.name).resolve():  # else baked in place
