@@ -26,7 +26,7 @@ import logging
 import mmap
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,7 @@ __all__ = [
     "MOMENT_NAMES",
     "PREVIOUS_SUFFIX",
     "CarriedState",
+    "checkpoint_bytes",
     "checkpoint_target",
     "read_checkpoint",
     "verify_checkpoint",
@@ -341,6 +342,18 @@ def _fb_property_bag(builder, properties: Mapping[str, str]) -> int:
     return fbs.PropertyBag.End(builder)
 
 
+def checkpoint_bytes(
+    weights: Mapping[str, np.ndarray], requires_grad: Collection[str], *, optimizer_state=True
+) -> int:
+    """An upper bound (bytes) of the size of the checkpoint :func:`write_checkpoint` writes
+    for ``weights`` with ``requires_grad`` trainable: every weight, two moments per trainable
+    one with ``optimizer_state``, and room for the names and tables."""
+    payload = sum(np.asarray(a).nbytes for a in weights.values())
+    if optimizer_state:
+        payload += 2 * sum(np.asarray(weights[n]).nbytes for n in requires_grad)
+    return payload + 256 * (3 * len(weights) + 16) + (1 << 16)
+
+
 def write_checkpoint(
     path: str | os.PathLike,
     state: CarriedState,
@@ -381,10 +394,7 @@ def write_checkpoint(
     missing = trainable - set(state.weights)
     if missing:
         raise ConfigError(f"no weight for trainable tensors {sorted(missing)[:5]}")
-    payload = sum(np.asarray(a).nbytes for a in state.weights.values())
-    if optimizer_state:
-        payload += 2 * sum(np.asarray(state.weights[n]).nbytes for n in trainable)
-    b = _builder(payload + 256 * (3 * len(state.weights) + 16) + (1 << 16))
+    b = _builder(checkpoint_bytes(state.weights, trainable, optimizer_state=optimizer_state))
     module_off = _fb_module_state(b, state.weights, trainable)
     groups_vec = None
     if optimizer_state:

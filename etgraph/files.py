@@ -14,6 +14,8 @@
 * :func:`exclusive_lock` — one etgraph process at a time in a run or compiled directory.
 * :func:`private_temp_dir` / :func:`sweep_stale_temp_dirs` — private temporary directories
   named after their process, and the removal of those a killed process left.
+* :func:`transient_file` — a file read once and dropped (a session's starting checkpoint), in
+  RAM where there is room.
 * :func:`append_jsonl` / :func:`read_jsonl` — the one JSON-lines log writer and reader.
 """
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "LOCK_FILE",
+    "RAM_DIR",
     "append_jsonl",
     "atomic_directory",
     "atomic_target",
@@ -50,6 +53,7 @@ __all__ = [
     "staged_directory",
     "sweep_stale_temp_dirs",
     "temporary_prefix",
+    "transient_file",
     "write_atomic",
     "write_json_atomic",
     "write_parts",
@@ -324,6 +328,43 @@ def private_temp_dir(
     return tempfile.TemporaryDirectory(prefix=f"{_TEMP_PREFIX}{kind}-{os.getpid()}-", dir=dir)
 
 
+#: A RAM file system (Linux's tmpfs) for transient files (:func:`transient_file`).
+RAM_DIR = Path("/dev/shm")
+
+
+@contextlib.contextmanager
+def transient_file(
+    name: str, size_bytes: int, fallback_dir: str | os.PathLike, *, ram: bool = True
+) -> Iterator[Path]:
+    """A path for a transient file ``name`` of about ``size_bytes`` that is written, read once
+    and dropped (a session's starting checkpoint: ORT reads it into memory), removed when the
+    block ends. With ``ram``, in a private temporary directory in :data:`RAM_DIR` when that is
+    a writable directory with room for the file twice over: writing and then removing a
+    ResNet50 checkpoint there took 0.03 s, against 0.2-0.36 s to replace one on ext4 (issue
+    31); else (or without ``ram``: under a memory budget the file must not hold RAM) in
+    ``fallback_dir``."""
+    room = 0
+    if ram:
+        with contextlib.suppress(OSError):
+            st = os.statvfs(RAM_DIR)
+            if os.access(RAM_DIR, os.W_OK | os.X_OK):
+                room = st.f_bavail * st.f_frsize
+    tmp = None
+    if room >= 2 * size_bytes:
+        with contextlib.suppress(OSError):
+            tmp = private_temp_dir("transient", dir=RAM_DIR)
+    directory = Path(tmp.name) if tmp is not None else Path(fallback_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        if tmp is not None:
+            tmp.cleanup()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -336,9 +377,16 @@ def _alive(pid: int) -> bool:
 
 def sweep_stale_temp_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     """Remove the temporary directories (:func:`private_temp_dir`, :func:`staged_directory`)
-    of etgraph processes that no longer run, under ``root`` (default ``$TMPDIR``): this user's
-    only, recognised by name. Returns those removed."""
-    root = Path(root if root is not None else tempfile.gettempdir())
+    of etgraph processes that no longer run, under ``root`` (default ``$TMPDIR`` and
+    :data:`RAM_DIR`): this user's only, recognised by name. Returns those removed."""
+    roots = [Path(root)] if root is not None else [Path(tempfile.gettempdir()), RAM_DIR]
+    removed = []
+    for directory in dict.fromkeys(roots):
+        removed += _sweep(directory)
+    return removed
+
+
+def _sweep(root: Path) -> list[Path]:
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):

@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from .artifacts import ArtifactCache, ArtifactPaths
-from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
+from .checkpoint import CarriedState, checkpoint_bytes, read_checkpoint, write_checkpoint
 from .clock import RHO_TOLERANCE, fit_time_model
 from .config import TrainConfig
 from .data import Dataset
 from .errors import InfeasibleMemoryError
+from .files import transient_file
 from .host import peak_rss_mb, release_native_memory, rss_mb
 from .importance import SCRATCH_MB, ImportanceEvaluator, gradient_chunks
 from .isolation import check_sessions
@@ -448,28 +449,32 @@ class PeriodController:
         paths, cache_hit, trainable = self.artifacts(mask)
         artifacts_s = time.perf_counter() - t0
         self.last_artifacts_cpu_s = time.process_time() - cpu0
-        ckpt = self.work_dir / SESSION_CHECKPOINT
-        if isinstance(carried, Path):  # rewritten from a view of the file, then dropped
-            state, _, _ = read_checkpoint(carried, copy=False)
-            write_checkpoint(ckpt, state, trainable, initial_learning_rate=config_lr)
-            del state
-            gc.collect()
-            release_native_memory()
-            memory_log("the selection's checkpoint")
-        else:  # a transient file: the run's own checkpoint is the durable state
-            write_checkpoint(
-                ckpt, carried, trainable, initial_learning_rate=config_lr, durable=False
+        weights = carried.weights if not isinstance(carried, Path) else None
+        size = 0 if weights is None else checkpoint_bytes(weights, trainable)
+        # A transient file ORT reads at once: in RAM where there is room, except under a memory
+        # budget; the run's own checkpoint is the durable state.
+        with transient_file(SESSION_CHECKPOINT, size, self.work_dir, ram=not self.bounded) as ckpt:
+            if weights is None:  # rewritten from a view of the file, then dropped
+                state, _, _ = read_checkpoint(carried, copy=False)
+                write_checkpoint(ckpt, state, trainable, initial_learning_rate=config_lr)
+                del state
+                gc.collect()
+                release_native_memory()
+                memory_log("the selection's checkpoint")
+            else:
+                write_checkpoint(
+                    ckpt, carried, trainable, initial_learning_rate=config_lr, durable=False
+                )
+            session = TrainingSession(
+                paths.directory,
+                ckpt,
+                self.threads,
+                loss=self.model.task.loss,
+                input_names=self.model.input_names,
+                config=self.options.config,
+                bake=not self.bounded,  # under a memory budget (OrtOptions.given)
+                weights=weights,
             )
-        session = TrainingSession(
-            paths.directory,
-            ckpt,
-            self.threads,
-            loss=self.model.task.loss,
-            input_names=self.model.input_names,
-            config=self.options.config,
-            bake=not self.bounded,  # under a memory budget (OrtOptions.given)
-            weights=None if isinstance(carried, Path) else carried.weights,
-        )
         memory_log("the training session")
         return session, cache_hit, artifacts_s
 

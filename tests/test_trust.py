@@ -333,6 +333,27 @@ def test_temporary_directories_of_killed_processes_are_swept(tmp_path):
     assert not stale.exists() and live.exists() and other.exists()
 
 
+def test_transient_files_go_to_ram_where_there_is_room_and_never_stay(tmp_path, monkeypatch):
+    from etgraph import files
+
+    ram, disk = tmp_path / "ram", tmp_path / "disk"
+    ram.mkdir()
+    monkeypatch.setattr(files, "RAM_DIR", ram)
+    for size, in_ram, allowed in ((1 << 20, True, True), (1 << 60, False, True), (1, False, False)):
+        with files.transient_file("s.ckpt", size, disk, ram=allowed) as path:
+            path.write_bytes(b"state")
+            assert (path.parent.parent == ram) is in_ram and (path.parent == disk) is not in_ram
+            if in_ram:  # a private directory, named for the sweep after a kill
+                assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+                assert path.parent.name.startswith(f"etgraph-transient-{os.getpid()}-")
+        assert not path.exists() and list(ram.iterdir()) == []
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = ram / f"etgraph-transient-{dead.pid}-abc"
+    stale.mkdir()
+    assert stale in files.sweep_stale_temp_dirs() and not stale.exists()
+
+
 def test_ctrl_c_while_profiling_does_not_suggest_resuming_a_run_that_was_not_started(tmp_path):
     out = tmp_path / "run"
     env = {"ETGRAPH_CACHE": str(tmp_path / "cache")}  # nothing cached: the model is profiled
