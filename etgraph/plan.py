@@ -14,7 +14,8 @@ A compiled directory holds::
                             ``etgraph train OUT``
     OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
                             (the frozen parameters baked into the graphs, raw in
-                            training_model.onnx.data, which both graphs reference; plan.json's ``artifacts_form``, :data:`ARTIFACT_FORMS`)
+                            training_model.onnx.data, which both graphs reference;
+                            plan.json's ``artifacts_form``, :data:`ARTIFACT_FORMS`)
 
 ``etgraph compile`` records the model's input normalisation (``preprocess``,
 :class:`etgraph.images.Preprocess`) and the frozen batch-norm mode (``frozen_bn``,
