@@ -122,8 +122,8 @@ def test_scale_keeps_the_function_and_fold_restores_the_weights(build, kernel, b
     np.testing.assert_allclose(run(folded, X), before, rtol=1e-5, atol=1e-6)
 
 
-def test_fold_takes_a_record_the_exported_model_does_not_carry():
-    """An exported inference model lost the metadata: the record of the trained model folds."""
+def test_fold_takes_the_record_of_a_model_that_lost_its_metadata():
+    """A model whose metadata is gone is folded by the record of the model it came from."""
     scaled, _ = apply(ScaleHeadLrPass(4.0), gemm_head())
     record = head_lr_of(scaled)
     stripped = onnx.ModelProto()

@@ -289,9 +289,9 @@ class FoldHeadLrScalePass(InPlacePass):
     removed (its input takes the output's name back), the record and the constant dropped.
 
     Args:
-        record: what was done (default: the model's own record). An exported model does not
-            carry the metadata of the model it was trained from: pass that model's record.
-            A model with no record is left as it is.
+        record: what was done (default: the model's own record; ``generate_artifacts`` keeps
+            the metadata in the training and eval graphs). Pass the trained model's record for
+            a model that lost its metadata. A model with no record is left as it is.
 
     Raises:
         HeadLrScaleError: the model does not hold the recorded ``Mul`` on its output, or a
