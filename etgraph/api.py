@@ -26,6 +26,7 @@ def load_model(
     *,
     output: str | None = None,
     loss: str = "ce",
+    head_lr_scale: float | None = None,
 ) -> LoadedModel:
     """Load, check and legalise a model for training (paper §5's import step).
 
@@ -35,6 +36,11 @@ def load_model(
         output: the graph output to train on (None: the model's only output).
         loss: ``"ce"`` (cross-entropy on logits ``[B, K]``, labels int64 class indices) or
             ``"mse"`` (mean squared error on ``[B, D]``, float32 targets).
+        head_lr_scale: train the head (the dense layer making the output) at this factor
+            times the learning rate, exactly (:mod:`passes.onnx.head_lr`: its weights stored
+            divided by it, its output multiplied by it; 10 is the measured useful value for a
+            fresh head). None: as the model records (1 for a model etgraph did not compile).
+            Train it with a :class:`etgraph.config.TrainConfig` of the same ``head_lr_scale``.
 
     Returns:
         The :class:`etgraph.model.LoadedModel`: the legalised proto, trainable tensors in
@@ -44,14 +50,20 @@ def load_model(
         ModelError: not a readable or valid ONNX model, or nothing to train.
         UnsupportedOpError: an op on the data path has no gradient in ORT 1.19.2 and no rewrite.
         ConfigError: several outputs and no ``output``, or an unknown ``loss``.
+        HeadLrScaleError: ``head_lr_scale`` is not positive and finite, or the model's output
+            is not made by a dense head (Gemm, MatMul [+ Add]) with initializer weights.
     """
     if loss not in LOSSES:
         raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
     if isinstance(source, onnx.ModelProto):
         name = "<in-memory model>"
-        return LoadedModel.from_proto(legalize_proto(source, name, output), source=name, loss=loss)
+        proto = legalize_proto(source, name, output, head_lr_scale)
+        return LoadedModel.from_proto(proto, source=name, loss=loss)
     return LoadedModel.load(
-        source if source is not None else DEFAULT_MODEL_PATH, output=output, loss=loss
+        source if source is not None else DEFAULT_MODEL_PATH,
+        output=output,
+        loss=loss,
+        head_lr_scale=head_lr_scale,
     )
 
 

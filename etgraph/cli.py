@@ -21,6 +21,8 @@ from onnx_ir.passes import PassError
 
 from . import __version__
 from .cli_options import (
+    head_lr_note,
+    head_lr_scale_option,
     input_shape_option,
     loss_option,
     model_input_options,
@@ -214,7 +216,11 @@ def inspect_command(
 
     if show_passes:
         pipelines = (
-            ("ONNX legalisation (passes/onnx/, every model loaded)", legalization_pipeline()),
+            (
+                "ONNX legalisation (passes/onnx/, every model loaded; the last with "
+                "--head-lr-scale only)",
+                legalization_pipeline(head_lr_scale=10.0),
+            ),
             ("tensor-graph passes (passes/, on ORT's training graph)", tensor_graph_pipeline()),
             ("eval-model fix-ups (passes/onnx/, after generate_artifacts)", eval_model_pipeline()),
             (
@@ -249,6 +255,8 @@ def inspect_command(
             f"the model's trailing {tensor_graph.graph['removed_head']} was taken off for the "
             "loss (the loss needs logits); `etgraph train` restores it on the exported model"
         )
+    if tensor_graph.graph.get("head_lr_scale", 1.0) != 1.0:
+        click.echo(head_lr_note(tensor_graph.graph["head_lr_scale"]))
     tpath = Path(target)
     if out_dir is None:
         out_dir = tpath if tpath.is_dir() else tpath.with_name(f"{tpath.stem}_graph")
@@ -415,6 +423,7 @@ def profile_command(
     help="Peak-memory budget in MiB: the training process's peak RSS, libraries included "
     "[none: time budget only].",
 )
+@head_lr_scale_option
 @model_input_options
 @verbosity_options
 def compile_command(
@@ -438,6 +447,7 @@ def compile_command(
     channel_order,
     frozen_bn,
     memory_mb,
+    head_lr_scale,
     quiet,
     verbose,
 ) -> None:
@@ -473,6 +483,7 @@ def compile_command(
         preprocess=preprocess,
         frozen_bn=frozen_bn,
         memory_mb=memory_mb,
+        head_lr_scale=head_lr_scale,
         progress=progress_output(quiet, verbose),
     )
     budget = "" if memory_mb is None else f" and {memory_mb:g} MiB"
@@ -483,6 +494,8 @@ def compile_command(
     )
     if result.predicted_peak_mb is not None:
         click.echo(f"predicted peak memory {result.predicted_peak_mb:.0f} MiB")
+    if result.head_lr_scale != 1.0:
+        click.echo(head_lr_note(result.head_lr_scale))
     extra = " memory.json" if memory_mb is not None else ""
     click.echo(
         f"wrote {result.out_dir}/ plan.json profile.json{extra} graph.json|graphml|dot "

@@ -50,6 +50,27 @@ profile_level_option = click.option(
     "scale and offset online) or thorough (also real training steps of every configuration, "
     "more repeats).",
 )
+head_lr_scale_option = click.option(
+    "--head-lr-scale",
+    "head_lr_scale",
+    default=None,
+    type=float,
+    metavar="S",
+    help="Train the head (the dense layer making the output) at S times --lr, exactly: its "
+    "weights stored divided by S, its output multiplied by S; the exported model folds S back. "
+    "10 is the measured useful value for a fresh head [1; train DIR: as compiled].",
+)
+
+
+def head_lr_note(scale: float) -> str:
+    """What ``--head-lr-scale`` did, in one line (compile, train and inspect print it)."""
+    return (
+        f"the head trains at {scale:g}x the learning rate (--head-lr-scale {scale:g}): the "
+        f"compiled model and artifacts hold its weights divided by {scale:g} and multiply its "
+        "output by it; the model etgraph train exports and the weights API fold it back"
+    )
+
+
 #: passes.onnx.FROZEN_BN_MODES, written out: importing passes.onnx here would slow --help.
 FROZEN_BN_MODES = ("inference", "train")
 

@@ -12,6 +12,8 @@ import click
 from .cli_options import (
     given,
     given_options,
+    head_lr_note,
+    head_lr_scale_option,
     input_shape_option,
     loss_option,
     model_input_options,
@@ -21,7 +23,7 @@ from .cli_options import (
     tokenizer_option,
     verbosity_options,
 )
-from .errors import ConfigError, ModelError, ProfileMismatchError
+from .errors import ConfigError, HeadLrScaleError, ModelError, ProfileMismatchError
 from .host import process_age_s
 from .selection import IMPORTANCE_VARIANTS, STRATEGIES
 
@@ -114,6 +116,7 @@ STARTED = time.perf_counter() - process_age_s()
     type=click.Choice(["auto", "off", "on", "on+stop"]),
     help="ORT thread-pool spinning of the training sessions (auto: measured at the start).",
 )
+@head_lr_scale_option
 @model_input_options
 @verbosity_options
 @click.pass_context
@@ -142,7 +145,9 @@ def train_command(ctx: click.Context, model, **opts):
         raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
     plan = _compiled_plan(model)
     config = _train_config(plan, opts)  # validated before anything is measured
-    loaded, profile = _train_model(model, plan, opts)
+    loaded, profile = _train_model(model, plan, opts, config.head_lr_scale)
+    if progress and config.head_lr_scale != 1.0:
+        click.echo(head_lr_note(config.head_lr_scale), err=True)
     inputs = (loaded.source, config.data, config.tokenizer, opts["profile_path"])
     check_run_dir(Path(opts["out"]), inputs)  # before anything is measured
     # The data before the model is profiled: a data error must not wait for profiling.
@@ -227,7 +232,32 @@ def _train_config(plan, opts: dict):
         memory_mb=opts["memory_mb"],
         spinning=opts["spinning"],
         importance=opts["importance"],
+        head_lr_scale=_head_lr_scale(plan, opts["head_lr_scale"]),
     ).validate()
+
+
+def _head_lr_scale(plan, given: float | None) -> float:
+    """The run's head learning-rate factor: as given, else the compiled plan's, else 1. A
+    compiled directory trains at the factor it was compiled with (its profile, importance and
+    artifacts are of the model scaled so): another one is refused.
+
+    Raises:
+        HeadLrScaleError: not positive and finite, or other than the plan's.
+    """
+    from passes.onnx import check_head_lr_scale
+
+    if given is not None:
+        check_head_lr_scale(given)
+    if plan is None:
+        return 1.0 if given is None else given
+    compiled = plan.model.head_lr_scale
+    if given is not None and given != compiled:
+        raise HeadLrScaleError(
+            f"{model_name(plan)} was compiled with --head-lr-scale {compiled:g}, not {given:g}: "
+            f"compile again with --head-lr-scale {given:g} (the profile, importance and "
+            "artifacts are of the scaled model), or drop --head-lr-scale"
+        )
+    return compiled
 
 
 def _or_plan(given, plan, field: str, default):
@@ -275,10 +305,11 @@ def _memory_inputs(plan, loaded, profile, config):
     )
 
 
-def _train_model(model, plan, opts: dict):
+def _train_model(model, plan, opts: dict, head_lr_scale: float):
     """(LoadedModel, Profile or None) for `etgraph train`: a compiled directory's (its model
-    has one output; its loss is the one it was compiled for), an ONNX file or the default. The
-    profile is the given or compiled one; None = measure it (after the data is loaded)."""
+    has one output; its loss is the one it was compiled for), an ONNX file or the default
+    (loaded with its head at ``head_lr_scale``). The profile is the given or compiled one;
+    None = measure it (after the data is loaded)."""
     from .api import load_model
     from .io_specs import parse_input_shapes
     from .profile import Profile, format_shapes
@@ -300,7 +331,9 @@ def _train_model(model, plan, opts: dict):
     else:
         if model is not None and not Path(model).is_file():
             raise ModelError(f"model {model} does not exist: pass an ONNX file or compiled dir")
-        loaded = load_model(model, output=opts["model_output"], loss=loss or "ce")
+        loaded = load_model(
+            model, output=opts["model_output"], loss=loss or "ce", head_lr_scale=head_lr_scale
+        )
         profile = Profile.load(profile_path) if profile_path is not None else None
     if profile is not None and input_shape:
         shapes = loaded.input_shapes(input_shape)

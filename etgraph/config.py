@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from passes.onnx import DEFAULT_FROZEN_BN
+from passes.onnx import DEFAULT_FROZEN_BN, check_head_lr_scale
 
 from .arrays import ArrayDataset
 from .artifacts import check_frozen_bn
@@ -88,6 +88,12 @@ class TrainConfig:
             :data:`etgraph.selection.IMPORTANCE_VARIANTS`): ``"adam"`` (the optimizer's next
             step with the run's moments), ``"first-step"`` (AdamW's first step from zero
             moments), ``"grad-sq"`` or ``"random"``.
+        head_lr_scale: the head (the dense layer making the output) trains at this factor
+            times ``learning_rate``, exactly: an ONNX reparametrisation applied when the model
+            is loaded (:func:`etgraph.load_model`'s ``head_lr_scale``, :mod:`passes.onnx.head_lr`;
+            ``etgraph compile/train --head-lr-scale``), so the model must be loaded with the same
+            factor. 10 is the measured useful value for a fresh head (docs/results.md, "Head
+            learning rate"); 1 = one rate for all.
     """
 
     epochs: int = 12
@@ -114,6 +120,7 @@ class TrainConfig:
     memory_mb: float | None = None
     spinning: str = "auto"
     importance: str = "adam"
+    head_lr_scale: float = 1.0
 
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
@@ -138,6 +145,7 @@ class TrainConfig:
             )
         check_frozen_bn(self.frozen_bn)
         check_importance_variant(self.importance)
+        check_head_lr_scale(self.head_lr_scale)
         if not (0.0 < self.reference_budget <= 1.0):
             raise ConfigError(f"reference budget must be in (0, 1], got {self.reference_budget}")
         if self.deadline_s is not None:
@@ -246,8 +254,16 @@ def check_run_inputs(
     Raises:
         ProfileMismatchError: the profile is of another model, batch size, input shape or
             loss, or the memory model of another batch-norm mode.
-        ConfigError: ``memory_mb`` without a memory model.
+        ConfigError: ``memory_mb`` without a memory model; a ``head_lr_scale`` other than
+            the model was loaded with.
     """
+    if config.head_lr_scale != model.head_lr_scale:
+        raise ConfigError(
+            f"the run asks for head learning-rate scale {config.head_lr_scale:g} but the model "
+            f"was loaded with {model.head_lr_scale:g}: load (or compile) it with "
+            f"head_lr_scale={config.head_lr_scale:g} (--head-lr-scale), or train at "
+            f"{model.head_lr_scale:g}"
+        )
     if config.memory_mb is not None and memory_profile is None:
         raise ConfigError("--memory-mb needs the model's memory profile: compile with it")
     if memory_profile is not None and memory_profile.frozen_bn != config.frozen_bn:

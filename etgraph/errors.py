@@ -39,6 +39,12 @@ class ConfigError(EtgraphError):
     """A setting is out of range or malformed (rho, batch size, input shape, paths)."""
 
 
+class HeadLrScaleError(ConfigError):
+    """``--head-lr-scale`` cannot be applied: not a positive finite number, or the model's
+    output is not made by a dense head of a supported form (:mod:`passes.onnx.head_lr`), or the
+    model is already scaled by another factor."""
+
+
 class InfeasibleBudgetError(ConfigError):
     """``rho`` is below what the forward pass alone costs, so no tensor can be trained.
 

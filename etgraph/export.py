@@ -3,9 +3,11 @@ weights (what ``model_trained.onnx`` is).
 
 :func:`export_trained` streams a selection's eval graph with a checkpoint's weights
 (:func:`etgraph.artifact_weights.export_inference_model`: no session, the weights held once),
-gives it the symbolic batch back and the head legalisation took off (:func:`etgraph.onnx_io.
-restore_exported`), the original model's other outputs when one of several was trained, and the
-class names; written under a hidden name and renamed into place complete.
+gives it the symbolic batch back, the head's learning-rate scale folded back (``--head-lr-scale``:
+no ``Mul``, the head's weights in the original parametrisation) and the head legalisation took
+off (:func:`etgraph.onnx_io.restore_exported`), the original model's other outputs when one of
+several was trained, and the class names; written under a hidden name and renamed into place
+complete.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def export_trained(
     """Write the inference model of ``model`` with the weights of ``checkpoint`` to ``path``.
 
     Args:
-        model: the loaded model the run trained (its head, output and original outputs).
+        model: the loaded model the run trained (its head, head learning-rate scale, output
+            and original outputs).
         eval_model: the eval graph of a selection's artifacts (any selection: every weight is
             read from the checkpoint).
         checkpoint: an ORT checkpoint holding every parameter.
@@ -58,8 +61,8 @@ def export_trained(
         set_class_names(labelled, list(class_names))
     metadata = {p.key: p.value for p in labelled.metadata_props}
     export_inference_model(eval_model, checkpoint, partial, [model.output_name], metadata)
-    # the artifacts' batch size was fixed; the original output meaning
-    restore_exported(partial, model.head)
+    # the artifacts' batch size was fixed; the original parametrisation and output meaning
+    restore_exported(partial, model.head, model.head_lr)
     if _with_original_outputs(model, partial) and class_names:
         stamp_onnx(partial, list(class_names))  # the original's file had none
     os.replace(partial, path)  # a user never picks up a half-made model

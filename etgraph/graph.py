@@ -27,6 +27,7 @@ import onnx
 from passes import tensor_graph_pipeline
 from passes.base import run_passes
 from passes.layout import CHARGE_KINDS, op_id, op_nodes, tensor_id, tensor_nodes
+from passes.onnx import head_lr_of
 
 from . import model as model_spec
 from .artifacts import ArtifactCache, generate
@@ -144,7 +145,8 @@ def build_tensor_graph(
     Returns:
         DiGraph with tensor and op nodes (layout in :mod:`passes.layout`), every op charged; graph
         attributes ``model_hash``, ``tensor_order`` (names by index), ``num_tensors``,
-        ``num_ops``. Tensor nodes carry ``t_dw_us``, ``t_dy_us``, ``importance``, ``selected``
+        ``num_ops``, ``head_lr_scale`` (the head's stored learning-rate factor, 1.0: none).
+        Tensor nodes carry ``t_dw_us``, ``t_dy_us``, ``importance``, ``selected``
         = None for later stages to fill.
 
     Raises:
@@ -161,13 +163,11 @@ def build_tensor_graph(
 
     graph = nx.DiGraph()
     graph.graph.update(
-        model_hash=model_hash(model),
         num_tensors=len(tensors),
         num_ops=len(training.graph.node),
-        input_names=[i.name for i in input_specs(model)],
         output_name=output_name,
         loss=loss,
-        removed_head=removed_head(model),
+        **_model_attributes(model),
     )
     for t in tensors:
         graph.add_node(
@@ -351,6 +351,18 @@ def coverage(graph: nx.DiGraph) -> dict[str, int]:
 
 
 # ---- what `etgraph inspect` does (the CLI only parses and prints) ----
+
+
+def _model_attributes(model: onnx.ModelProto) -> dict:
+    """The tensor graph's attributes read off the model: its hash, input names, the head
+    legalisation removed and the head's stored learning-rate factor (1.0: not scaled)."""
+    record = head_lr_of(model)
+    return dict(
+        model_hash=model_hash(model),
+        input_names=[i.name for i in input_specs(model)],
+        removed_head=removed_head(model),
+        head_lr_scale=record.scale if record is not None else 1.0,
+    )
 
 
 def load_tensor_graph(

@@ -169,7 +169,12 @@ def resume_trainer(
         config = _extended(out, model_path, config, artifacts_root, epochs, accepted)
     profile = Profile.load(out / rundir.PROFILE_FILE)
     task = rundir.read_run_task(out)
-    model = LoadedModel.load(model_path, output=task.get("output"), loss=task.get("loss", "ce"))
+    model = LoadedModel.load(
+        model_path,
+        output=task.get("output"),
+        loss=task.get("loss", "ce"),
+        head_lr_scale=config.head_lr_scale,  # a model file is scaled again, a compiled one is
+    )
     memory_file = out / rundir.MEMORY_FILE
     trainer = ElasticTrainer(
         model,

@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from passes.onnx import HeadLrScale, head_lr_of
+
 from . import onnx_io
 from .errors import ConfigError, ModelError
 from .exporters import exporter_of, remedy
@@ -273,6 +275,10 @@ class LoadedModel:
         task: the output trained on and the loss (:class:`etgraph.io_specs.Task`).
         head: the Softmax/LogSoftmax head legalisation took off the output (the loss needs
             logits), e.g. ``"Softmax(axis=1)"``; restored on the exported model. None if none.
+        head_lr: the head layer's learning-rate scale (``--head-lr-scale``,
+            :class:`passes.onnx.HeadLrScale`): its tensors are stored divided by the scale in
+            ``proto``, the checkpoints and the artifacts; folded back on export and in the
+            trainer's weights API. None if not scaled.
     """
 
     source: Path
@@ -283,24 +289,33 @@ class LoadedModel:
     inputs: tuple[InputSpec, ...]
     task: Task
     head: str | None = None
+    head_lr: HeadLrScale | None = None
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, *, output: str | None = None, loss: str = "ce"
+        cls,
+        path: str | os.PathLike,
+        *,
+        output: str | None = None,
+        loss: str = "ce",
+        head_lr_scale: float | None = None,
     ) -> LoadedModel:
         """Load, validate and legalise ``path`` (:func:`etgraph.onnx_io.load_model`) to train
         its output ``output`` (None: the only one) with ``loss``
-        (:data:`etgraph.io_specs.LOSSES`).
+        (:data:`etgraph.io_specs.LOSSES`), its head at ``head_lr_scale`` times the learning
+        rate (None: as the model records, 1 for a model etgraph did not compile).
 
         Raises:
             ModelError, UnsupportedOpError: as :func:`etgraph.onnx_io.load_model`, or the model
                 has no trainable tensor (the message names the file).
             ConfigError: bad ``output`` or ``loss``; several outputs and no ``output``.
+            HeadLrScaleError: as :func:`etgraph.onnx_io.load_model`.
         """
         path = Path(path)
         if loss not in LOSSES:
             raise ConfigError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
-        loaded = cls.from_proto(onnx_io.load_model(path, output=output), source=path, loss=loss)
+        proto = onnx_io.load_model(path, output=output, head_lr_scale=head_lr_scale)
+        loaded = cls.from_proto(proto, source=path, loss=loss)
         note = normalisation_note(loaded.proto, loaded.tensors)
         if note is not None:
             log.warning("%s: %s", path, note)
@@ -331,7 +346,13 @@ class LoadedModel:
             inputs=tuple(inputs),
             task=task,
             head=removed_head(proto),
+            head_lr=head_lr_of(proto),
         )
+
+    @property
+    def head_lr_scale(self) -> float:
+        """The head's learning-rate factor ``S`` (1.0: not scaled; :attr:`head_lr`)."""
+        return self.head_lr.scale if self.head_lr is not None else 1.0
 
     @property
     def num_classes(self) -> int | None:
@@ -378,7 +399,9 @@ class LoadedModel:
         return trainable, frozen + list(self.running_stats)
 
     def initial_weights(self) -> dict[str, np.ndarray]:
-        """Copies of the model's values of every trainable tensor and running statistic."""
+        """Copies of the model's values of every trainable tensor and running statistic, as
+        stored (with :attr:`head_lr`, the head's divided by its scale: what training starts
+        from; ``head_lr.original(...)`` gives the original parametrisation)."""
         wanted = set(self.names) | set(self.running_stats)
         return {
             init.name: numpy_helper.to_array(init).copy()

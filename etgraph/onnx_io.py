@@ -39,7 +39,9 @@ from passes.onnx import (
     MAX_IR_VERSION,
     OUTPUTS_KEY,
     SOURCE_KEY,
+    FoldHeadLrScalePass,
     FreeBatchDimPass,
+    HeadLrScale,
     RestoreHeadPass,
     legalization_pipeline,
     unzip_map_outputs,
@@ -182,12 +184,18 @@ def _check_size(tensor: onnx.TensorProto, path: Path, held: int | None = None) -
         )
 
 
-def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.ModelProto:
+def load_model(
+    path: str | os.PathLike, output: str | None = None, head_lr_scale: float | None = None
+) -> onnx.ModelProto:
     """Load an ONNX model from ``path``, validate it and legalise it for ORT 1.19.2 training.
 
     Args:
         path: an ``.onnx`` file (external data next to it is loaded too).
         output: the graph output to train on; None = the model's only output.
+        head_lr_scale: train the head at this factor times the learning rate
+            (:class:`passes.onnx.ScaleHeadLrPass`: its weights stored divided by it, its output
+            multiplied by it); None = as the model records (1 for a model etgraph did not
+            compile).
 
     Returns:
         The legalised model (see the module docstring): the original data inputs and the one
@@ -199,6 +207,8 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
         ConfigError: several outputs and no ``output``, or no output named ``output``.
         UnsupportedOpError: an op on the data path has no gradient in ORT 1.19.2 and no
             built-in rewrite (the message names node and op and suggests the rewrite).
+        HeadLrScaleError: ``head_lr_scale`` is not positive and finite, the model's head is
+            not a supported form, or the model is already scaled by another factor.
     """
     path = Path(path)
     if not path.is_file():
@@ -207,11 +217,14 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model with a graph (empty or truncated file?)")
     _check(model, path)
-    return legalize(model, source=str(path), output=output)
+    return legalize(model, source=str(path), output=output, head_lr_scale=head_lr_scale)
 
 
 def legalize_proto(
-    model: onnx.ModelProto, source: str = "<in-memory model>", output: str | None = None
+    model: onnx.ModelProto,
+    source: str = "<in-memory model>",
+    output: str | None = None,
+    head_lr_scale: float | None = None,
 ) -> onnx.ModelProto:
     """As :func:`load_model` for a model already in memory (``model`` is not modified; its
     external data, if any, must be loaded). ``source`` names it in messages.
@@ -223,7 +236,7 @@ def legalize_proto(
     if not model.graph.node:
         raise ModelError(f"{source}: not an ONNX model with a graph")
     _check(model, Path(source))
-    return legalize(model, source=source, output=output)
+    return legalize(model, source=source, output=output, head_lr_scale=head_lr_scale)
 
 
 def _check(model: onnx.ModelProto, path: Path) -> None:
@@ -240,10 +253,14 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
 
 
 def legalize(
-    model: onnx.ModelProto, source: str = "model", output: str | None = None
+    model: onnx.ModelProto,
+    source: str = "model",
+    output: str | None = None,
+    head_lr_scale: float | None = None,
 ) -> onnx.ModelProto:
     """Return a legalised copy of ``model`` (module docstring); ``source`` names it in errors,
-    ``output`` is the graph output to train on (None: the only one).
+    ``output`` is the graph output to train on (None: the only one), ``head_lr_scale`` the
+    head's learning-rate factor (:func:`load_model`).
 
     The model should pass ``onnx.checker`` (:func:`load_model` checks it); ``model`` itself is
     not changed.
@@ -252,7 +269,8 @@ def legalize(
         ModelError, UnsupportedOpError, ConfigError: as :func:`load_model`.
     """
     model, output = unzip_map_outputs(model, output, source)  # onnx_ir cannot read maps
-    result = run_passes(legalization_pipeline(source, output), ir.from_proto(model))
+    pipeline = legalization_pipeline(source, output, head_lr_scale)
+    result = run_passes(pipeline, ir.from_proto(model))
     return ir.to_proto(result.model)
 
 
@@ -292,16 +310,23 @@ def model_hash(model: onnx.ModelProto) -> str:
     return h.hexdigest()[:16]
 
 
-def restore_exported(path: str | os.PathLike, head: str | None = None) -> None:
+def restore_exported(
+    path: str | os.PathLike, head: str | None = None, head_lr: HeadLrScale | None = None
+) -> None:
     """Give the inference model exported at ``path`` (from artifacts of a fixed batch size) the
     user's model's interface back, in one rewrite, in place and atomically: its symbolic batch
     dimension (:class:`passes.onnx.FreeBatchDimPass`, constants untouched: it runs at any batch
-    size, as the model it was trained from) and, with ``head``
+    size, as the model it was trained from); with ``head_lr`` (the trained model's
+    :func:`passes.onnx.head_lr_of`) the head's learning-rate scale folded back
+    (:class:`passes.onnx.FoldHeadLrScalePass`: no ``Mul``, the head's weights in the original
+    parametrisation); with ``head``
     (:attr:`etgraph.model.LoadedModel.head`, e.g. ``"Softmax(axis=1)"`` or
     ``"Reshape(shape=0,-1,1,1) -> Softmax(axis=1)"``), the head legalisation removed
     (:class:`passes.onnx.RestoreHeadPass`), so it keeps the original model's output meaning."""
     model = ir.load(path)
     passes = [FreeBatchDimPass(reshapes=False)]
+    if head_lr is not None:
+        passes.append(FoldHeadLrScalePass(head_lr))
     if head is not None:
         passes.append(RestoreHeadPass(head))
     run_passes(PassManager(passes), model)

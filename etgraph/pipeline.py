@@ -20,12 +20,12 @@ import networkx as nx
 import numpy as np
 import onnx
 
-from passes.onnx import DEFAULT_FROZEN_BN
+from passes.onnx import DEFAULT_FROZEN_BN, check_head_lr_scale
 
 from . import graph, memory_profiler, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
 from .data import DEFAULT_MODEL_PATH, load_task_data
-from .errors import ConfigError
+from .errors import ConfigError, HeadLrScaleError
 from .files import exclusive_lock, private_temp_dir
 from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance import probe_importance
@@ -70,9 +70,11 @@ def check_batch_size(batch_size: int) -> int:
     return batch_size
 
 
-def _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb) -> None:
+def _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head_lr_scale) -> None:
     """The settings' one-line errors, before anything is loaded or measured."""
     check_rho(rho)
+    if head_lr_scale is not None:
+        check_head_lr_scale(head_lr_scale)
     check_text_options(data, tokenizer)
     check_batch_size(batch_size)
     check_frozen_bn(frozen_bn)
@@ -107,6 +109,7 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
     frozen_bn: str = DEFAULT_FROZEN_BN,
     memory_mb: float | None = None,
     memory_resolution_mb: float = 1.0,
+    head_lr_scale: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Compile a model for elastic training at step-time ratio ``rho``, in memory.
@@ -144,6 +147,10 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
             measured (:func:`etgraph.memory_profiler.profile_memory`, cached beside the
             profiles) and the DP selects under both budgets. None = time budget only.
         memory_resolution_mb: the DP's memory unit, MiB.
+        head_lr_scale: train the head at this factor times the learning rate (``S``;
+            :func:`etgraph.load_model`): the profile, importance, selection and artifacts are of
+            the scaled model, and its plan trains at ``S``. None: as the model records (1 for a
+            model etgraph did not compile).
         progress: called with one line per stage as it starts (a command's progress output).
 
     Returns:
@@ -156,14 +163,20 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         InfeasibleMemoryError: no selection fits ``memory_mb`` (gives the smallest budget).
         DataError: the probe dataset cannot be loaded.
     """
-    _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb)
+    _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head_lr_scale)
     say = progress or (lambda line: None)
     preprocess = DEFAULT_PREPROCESS if preprocess is None else preprocess
     if not isinstance(model, LoadedModel):
         from .api import load_model
 
         say(f"loading {model if model is not None else 'the embedded default model'}")
-        model = load_model(model, output=output, loss=loss)
+        model = load_model(model, output=output, loss=loss, head_lr_scale=head_lr_scale)
+    elif head_lr_scale is not None and head_lr_scale != model.head_lr_scale:
+        raise HeadLrScaleError(
+            f"head_lr_scale {head_lr_scale:g} given with a model loaded at "
+            f"{model.head_lr_scale:g}: load it with etgraph.load_model(..., "
+            f"head_lr_scale={head_lr_scale:g}), or pass the model's path"
+        )
     shapes = model.input_shapes(input_shape)
     check_step_fits(model, batch_size, shapes)  # before anything is allocated
     dataset = None
@@ -309,6 +322,7 @@ class CompileResult:
     t_full_us: float  # T_full of the time model (Profile.t_full_us)
     memory_mb: float | None = None  # the peak-memory budget, MiB (None: time budget only)
     predicted_peak_mb: float | None = None  # the memory model's peak of the selection, MiB
+    head_lr_scale: float = 1.0  # the head's learning-rate factor the artifacts train at
 
     @property
     def predicted_speedup(self) -> float:
@@ -336,6 +350,7 @@ def compile_model(
     frozen_bn: str = DEFAULT_FROZEN_BN,
     memory_mb: float | None = None,
     memory_resolution_mb: float = 1.0,
+    head_lr_scale: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CompileResult:
     """Compile ``model_path`` into the compiled directory ``out_dir``: :func:`compile`, then
@@ -372,6 +387,8 @@ def compile_model(
             profiles), written to ``memory.json``, and the DP selects under both budgets.
             None = time budget only (no memory measurement).
         memory_resolution_mb: the DP's memory unit, MiB.
+        head_lr_scale: the head's learning-rate factor (:func:`compile`); recorded in
+            ``plan.json`` (``head_lr_scale``, ``head_lr``).
         progress: called with one line per stage as it starts.
 
     Returns:
@@ -385,7 +402,7 @@ def compile_model(
         DataError: the probe dataset cannot be loaded.
     """
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
-    _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb)
+    _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head_lr_scale)
     created = not Path(out_dir).exists()
     out = prepare_compiled_dir(out_dir, inputs=[source, data, tokenizer])
     settings = dict(
@@ -405,6 +422,7 @@ def compile_model(
         frozen_bn=frozen_bn,
         memory_mb=memory_mb,
         memory_resolution_mb=memory_resolution_mb,
+        head_lr_scale=head_lr_scale,
     )
     try:
         plan = _compile_into(out, source, progress, **settings)
@@ -422,6 +440,7 @@ def compile_model(
         t_full_us=plan.t_full_us,
         memory_mb=memory_mb,
         predicted_peak_mb=None if parts is None else parts["peak_mb"],
+        head_lr_scale=plan.model.head_lr_scale,
     )
 
 

@@ -11,11 +11,18 @@ A compiled directory holds::
                             per-tensor table, frozen and trainable parameter lists; the
                             model's input normalisation (``preprocess``), the frozen batch-norm
                             mode (``frozen_bn``) and the data it was compiled with, reused by
-                            ``etgraph train OUT``
+                            ``etgraph train OUT``; with ``--head-lr-scale S`` the
+                            head's scale (``head_lr_scale``, ``head_lr``)
     OUT/artifacts/          training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint
                             (the frozen parameters baked into the graphs, raw in
                             training_model.onnx.data, which both graphs reference;
                             plan.json's ``artifacts_form``, :data:`ARTIFACT_FORMS`)
+
+With ``--head-lr-scale S`` (issue #30) ``model.onnx``, the profile, the graph and the artifacts
+are of the *scaled* model (:mod:`passes.onnx.head_lr`: the head's kernel and bias stored divided
+by ``S``, its output multiplied by ``S``): that is what trains the head at ``S`` times the
+learning rate. ``etgraph train OUT`` trains at the plan's ``S``; the model it exports has the
+scale folded back.
 
 ``etgraph compile`` records the model's input normalisation (``preprocess``,
 :class:`etgraph.images.Preprocess`) and the frozen batch-norm mode (``frozen_bn``,
@@ -150,6 +157,22 @@ def train_settings(
     return preprocess, mode
 
 
+def _head_lr_json(model: LoadedModel) -> dict | None:
+    """``plan.json``'s ``head_lr``: the head's scale (None: not scaled) and what it means."""
+    record = model.head_lr
+    if record is None:
+        return None
+    return {
+        "scale": record.scale,
+        "layer": record.layer,
+        "tensors": list(record.tensors),
+        "note": f"model.onnx, the checkpoint and artifacts/ hold these tensors divided by "
+        f"{record.scale:g} and multiply the layer's output by {record.scale:g} (node "
+        f"{record.node}): the head trains at {record.scale:g}x the learning rate; etgraph "
+        "train's exported model and its weights API fold the scale back",
+    }
+
+
 def _values(p: Preprocess) -> tuple:
     return (p.mean, p.std, p.scale, p.channel_order)
 
@@ -248,7 +271,8 @@ class Plan:
 
     def train_config(self, **settings) -> TrainConfig:
         """A :class:`etgraph.config.TrainConfig` for this plan: its rho, batch size,
-        preprocessing, batch-norm mode, data and tokenizer, overridden by ``settings``.
+        preprocessing, batch-norm mode, data, tokenizer and head learning-rate scale, overridden
+        by ``settings`` (a ``head_lr_scale`` other than the model's is refused when training).
 
         Raises:
             ConfigError: a setting is out of range (:meth:`TrainConfig.validate`).
@@ -260,6 +284,7 @@ class Plan:
             frozen_bn=self.frozen_bn,
             data=self.data,
             tokenizer=self.tokenizer,
+            head_lr_scale=self.model.head_lr_scale,
         )
         return TrainConfig(**{**base, **settings}).validate()
 
@@ -317,6 +342,8 @@ class Plan:
             "memory_resolution_mb": self.memory_resolution_mb,
             "importance_source": self.importance_source,
             "removed_head": model.head,  # restored on the trained model etgraph train exports
+            "head_lr_scale": model.head_lr_scale,  # etgraph train OUT trains at it
+            "head_lr": _head_lr_json(model),
             "resolution": self.resolution,
             "preprocess": self.preprocess.to_json(),  # reused by etgraph train OUT
             "frozen_bn": self.frozen_bn,

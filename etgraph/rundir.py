@@ -199,6 +199,7 @@ class TrainResult:
     ort_probe_s: float = 0.0  # choosing them by measurement (in wall_time_s)
     ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step, probed
     ort_note: str = ""  # why they were not probed
+    head_lr_scale: float = 1.0  # the head trained at this factor times the learning rate
 
 
 # ---- run.json and the directory ---------------------------------------------------------------
@@ -506,6 +507,7 @@ def summarize(
     trained_model: Path,
     deadline_s: float | None = None,
     elapsed_s: float = float("nan"),
+    head_lr_scale: float = 1.0,
 ) -> TrainResult:
     """The :class:`TrainResult` of a finished run from its epoch records.
 
@@ -521,6 +523,7 @@ def summarize(
         trained_model: path of the exported model.
         deadline_s, elapsed_s: deadline mode's deadline (None without) and the run's time
             from its start, s.
+        head_lr_scale: the run's head learning-rate factor (``--head-lr-scale``).
     """
     wall = sum(r["wall_time_s"] for r in records)
     later = [r for r in records if r["period"] > 0]
@@ -577,6 +580,7 @@ def summarize(
         ort_probe_s=float(sum(r.get("ort_probe_s", 0.0) for r in records)),
         ort_probe_step_ms=chose.get("ort_probe_step_ms"),
         ort_note=chose.get("ort_note", ""),
+        head_lr_scale=float(head_lr_scale),
     )
 
 
@@ -625,8 +629,10 @@ def format_summary(result: TrainResult) -> str:
             f"(exported model: {100 * result.inference_val_acc:.2f} %)",
             f"val loss            {result.final_val_loss:.4f}",
         ]
+    scale = result.head_lr_scale
+    head = f", the head at {scale:g}x the lr" if scale != 1 else ""
     lines = [
-        f"strategy            {result.strategy}  ({result.epochs} epochs)",
+        f"strategy            {result.strategy}  ({result.epochs} epochs{head})",
         *metric,
         f"wall time           {result.wall_time_s:.1f} s  (training, validation excluded)",
         *_speed_lines(result),

@@ -647,6 +647,7 @@ class ElasticTrainer(WeightsAccess):
             trained_model=trained,
             deadline_s=cfg.deadline_s,
             elapsed_s=time.perf_counter() - self.started_at,
+            head_lr_scale=cfg.head_lr_scale,
         )
         if self.out is not None:
             rundir.write_summary(self.out, result)

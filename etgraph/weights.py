@@ -3,6 +3,11 @@ parameter by ONNX initializer name as numpy arrays, the tensors trained since a 
 them (what a federated client uploads), and the AdamW moments handled as documented. A part of
 the trainer kept in its own module; it reads the trainer's state between periods and its open
 session.
+
+Weights are always in the model's original parametrisation: a model loaded with
+``head_lr_scale`` S stores its head's kernel and bias divided by S (:mod:`passes.onnx.head_lr`),
+and these methods multiply them back on the way out and divide on the way in, so a program or a
+federated server never sees the scaled values.
 """
 
 from __future__ import annotations
@@ -44,20 +49,29 @@ class WeightsAccess:
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current value of every parameter: each trainable tensor (kernel, bias,
         gamma, beta, ...) and each BatchNorm running statistic, by ONNX initializer name; numpy
-        arrays of the initializer's shape and dtype (float32)."""
-        return {k: np.array(v, copy=True) for k, v in self._state().weights.items()}
+        arrays of the initializer's shape and dtype (float32). In the original
+        parametrisation: with a head learning-rate scale S, the head's tensors are the stored
+        ones times S (the values the exported model holds)."""
+        weights = {k: np.array(v, copy=True) for k, v in self._state().weights.items()}
+        head_lr = self.model.head_lr
+        return weights if head_lr is None else head_lr.original(weights)
 
     def set_weights(self, weights: Mapping[str, np.ndarray], *, reset_moments: bool = False):
         """Overwrite parameters by initializer name (any subset of :meth:`get_weights`' names),
         e.g. a federated server's global model. The optimizer's AdamW moments of the tensors set
         are kept (Keras' ``set_weights``; the step count too), or with ``reset_moments`` zeroed
         for them (a fresh optimizer). Starts the record of :meth:`trained_weights` anew. The
-        training session is reopened on the new state at the next step.
+        training session is reopened on the new state at the next step. ``weights`` are in the
+        original parametrisation, as :meth:`get_weights` gives them (with a head learning-rate
+        scale S the head's are stored divided by S).
 
         Raises:
             ConfigError: an unknown name, or an array of another shape or dtype than the
                 initializer's.
         """
+        head_lr = self.model.head_lr
+        if head_lr is not None:
+            weights = head_lr.stored(weights)
         state = self._state().updated(weights, self.model.proto, reset_moments=reset_moments)
         self._carried = state
         if self.bounded:  # the state lives in a file (with the moments it has)
@@ -72,7 +86,8 @@ class WeightsAccess:
     def trained_weights(self) -> dict[str, np.ndarray]:
         """The parameters training may have changed since the last :meth:`set_weights` (or the
         start): every tensor selected in a period since, and every running statistic whose value
-        changed. Copies, by initializer name (what a federated client uploads)."""
+        changed. Copies, by initializer name (what a federated client uploads), in the original
+        parametrisation (:meth:`get_weights`)."""
         weights = self.get_weights()
         names = set(self._since_set)
         at_set = self._stats_at_set or {}

@@ -77,7 +77,8 @@ def test_inspect_passes_prints_the_pipeline():
         "5. NonTrainablePass",
     ]
     legalisation = [line.strip() for line in sections[0].splitlines()[1:]]
-    assert legalisation[-1].split(". ")[1].startswith("RefuseNoGradOpsPass: ")  # last: refuses
+    assert legalisation[-2].split(". ")[1].startswith("RefuseNoGradOpsPass: ")  # refuses, then
+    assert legalisation[-1].split(". ")[1].startswith("ScaleHeadLrPass: ")  # --head-lr-scale
     assert ":data:" not in proc.stdout and ":func:" not in proc.stdout  # plain text
     assert "1. TrimEvalBatchNormPass: " in sections[1]
 

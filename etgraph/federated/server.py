@@ -232,6 +232,14 @@ class GlobalModel:
         self.trainer.close()
 
 
+def _initial_weights(model) -> dict:
+    """The global model's first weights, in the original parametrisation the clients'
+    ``get_weights`` and ``set_weights`` speak (a head compiled with ``--head-lr-scale`` is
+    stored scaled)."""
+    weights = model.initial_weights()
+    return weights if model.head_lr is None else model.head_lr.original(weights)
+
+
 def _wait_for_nodes(grid: Grid, count: int) -> None:
     t0 = time.monotonic()
     while len(list(grid.get_node_ids())) < count:
@@ -257,7 +265,7 @@ def serve(grid: Grid, config: FederateConfig, out: Path, *, on_round=None) -> di
     try:
         saved = rundir.read_checkpoint(out)
         if saved is None:
-            weights, first, virtual = model.initial_weights(), 1, 0.0
+            weights, first, virtual = _initial_weights(model), 1, 0.0
             records = rundir.truncate_log(out, 0)
             loss, acc = server.evaluate(weights)
             initial = {"initial_val_acc": acc, "initial_val_loss": loss}

@@ -96,7 +96,11 @@ def _load(key: str) -> Task:
 
         plan = Plan.load(source)
         model = plan.model
-        base.update(preprocess=plan.preprocess, frozen_bn=plan.frozen_bn)
+        base.update(
+            preprocess=plan.preprocess,
+            frozen_bn=plan.frozen_bn,
+            head_lr_scale=model.head_lr_scale,  # as compiled (--head-lr-scale)
+        )
         base["data"] = cfg.data or plan.data
         base["tokenizer"] = cfg.tokenizer or plan.tokenizer
         shapes = plan.input_shapes

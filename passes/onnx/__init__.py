@@ -42,7 +42,11 @@ by onnxruntime-training 1.19.2 (README: "Your own model").
     Expand, Reshape;
 21. :class:`ExpandSumPass` — variadic Sum -> chain of Add;
 22. :class:`CastLikePass` — CastLike -> Cast to the type it takes from its second input;
-23. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused.
+23. :class:`RefuseNoGradOpsPass` — any other op without a gradient on the data path refused;
+24. with ``--head-lr-scale S`` (issue #30): :class:`ScaleHeadLrPass` — the head layer's kernel
+    and bias stored divided by ``S``, its output multiplied by ``S`` (the head trains at ``S``
+    times the learning rate), recorded in the metadata and folded back on export
+    (:class:`FoldHeadLrScalePass`).
 
 :func:`eval_model_pipeline` fixes the eval model ORT generates (:class:`TrimEvalBatchNormPass`);
 :func:`training_model_pipeline` removes work ORT's training graph keeps needlessly
@@ -84,6 +88,14 @@ from .head import (
     RemoveSoftmaxHeadPass,
     RestoreHeadPass,
 )
+from .head_lr import (
+    HEAD_LR_KEY,
+    FoldHeadLrScalePass,
+    HeadLrScale,
+    ScaleHeadLrPass,
+    check_head_lr_scale,
+    head_lr_of,
+)
 from .input_norm import IsolateInputNormPass
 from .io_names import OUTPUTS_KEY, SOURCE_KEY, SelectOutputPass, unzip_map_outputs
 from .node_names import NameNodesPass
@@ -114,6 +126,9 @@ __all__ = [
     "DropOutputNoOpsPass",
     "DropUnusedOptionalOutputsPass",
     "HEAD_KEY",
+    "HEAD_LR_KEY",
+    "FoldHeadLrScalePass",
+    "HeadLrScale",
     "ExpandSumPass",
     "FlattenClassOutputPass",
     "FreeBatchDimPass",
@@ -126,6 +141,7 @@ __all__ = [
     "RemoveSoftmaxHeadPass",
     "RestoreHeadPass",
     "RewriteAveragePoolPass",
+    "ScaleHeadLrPass",
     "RewriteGlobalMaxPass",
     "RewriteActivationsPass",
     "RewriteLrnPass",
@@ -136,21 +152,28 @@ __all__ = [
     "UntieSharedWeightsPass",
     "bake_into",
     "bakeable_params",
+    "check_head_lr_scale",
     "eval_model_pipeline",
     "frozen_batch_norms",
+    "head_lr_of",
     "legalization_pipeline",
     "training_model_pipeline",
     "unzip_map_outputs",
 ]
 
 
-def legalization_pipeline(source: str = "model", output: str | None = None) -> PassManager:
+def legalization_pipeline(
+    source: str = "model", output: str | None = None, head_lr_scale: float | None = None
+) -> PassManager:
     """The legalisation passes in order, as one ``PassManager`` run once.
 
     Args:
         source: what the model is called in user errors (its file path).
         output: the graph output to train on (None: the model's only output).
+        head_lr_scale: the head's learning-rate factor ``S`` (:class:`ScaleHeadLrPass`, last);
+            None: the model's own (a compiled model records it; others have none).
     """
+    scale = [] if head_lr_scale is None else [ScaleHeadLrPass(head_lr_scale)]
     return PassManager(
         [
             ConvertOpsetPass(source),
@@ -176,6 +199,7 @@ def legalization_pipeline(source: str = "model", output: str | None = None) -> P
             ExpandSumPass(source),
             CastLikePass(source),
             RefuseNoGradOpsPass(source),
+            *scale,
         ],
         steps=1,
     )
