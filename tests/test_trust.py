@@ -744,10 +744,12 @@ def test_a_file_size_limit_during_compile_keeps_the_last_compile(compiled, cache
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 3 MiB tmpfs (root only), grown with ``small_disk.grow()``."""
+    """A 2.5 MiB tmpfs (root only), grown with ``small_disk.grow()``: the default model's run
+    writes 0.6 MB of artifacts and 1.2 MB per checkpoint, so its second checkpoint fills it
+    (a session's transient checkpoint goes to RAM, :func:`etgraph.files.transient_file`)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", mount])
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", mount])
     if done.returncode != 0:
         pytest.skip("mounting a tmpfs needs root")
 
