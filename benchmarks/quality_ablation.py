@@ -23,7 +23,9 @@ elastic at rho 0.5 and 0.35 with each importance variant (adam = the optimizer's
 first-step = the rule before issue 30, grad-sq, random); topk and prefix under the same
 budgets; last-layer; bn-bias; bias-only (BitFit); elastic at period 3 instead of 1; and the
 head at 10x the learning rate (``@head10``: an exact reparametrisation, see
-:class:`models.zoo.LearningRateScale`) for last-layer, full and elastic. Run by run label in
+:class:`models.zoo.LearningRateScale`) for last-layer, full and elastic, and full and elastic
+with etgraph's own ``--head-lr-scale 10`` (``@head-lr-scale10``: the same reparametrisation as
+an ONNX pass on the plain export, :mod:`passes.onnx.head_lr`). Run by run label in
 the order given (full first), every seed of a label before the next label, so whatever has run
 when the script is stopped forms complete rows; ``--continue`` skips the (label, seed) pairs
 already in the results file.
@@ -86,7 +88,9 @@ HEAD_SCALE = 10.0
 
 
 def _runs() -> dict[str, dict]:
-    """label -> TrainConfig overrides (``head_scale``: the model's head learning-rate factor)."""
+    """label -> TrainConfig overrides (``head_scale``: the head learning-rate factor of the
+    torch export, :class:`models.zoo.LearningRateScale`; ``head_lr_scale``: etgraph's own,
+    ``TrainConfig.head_lr_scale``, the model loaded with it)."""
     runs: dict[str, dict] = {"full": dict(strategy="full")}
     for rho in (0.5, 0.35):
         for variant in VARIANTS:
@@ -99,7 +103,17 @@ def _runs() -> dict[str, dict]:
     runs["last-layer@head10"] = dict(strategy="last-layer", head_scale=HEAD_SCALE)
     runs["full@head10"] = dict(strategy="full", head_scale=HEAD_SCALE)
     runs["elastic-adam@0.5@head10"] = dict(strategy="elastic", rho=0.5, head_scale=HEAD_SCALE)
+    # the same through etgraph's own option (--head-lr-scale: the ONNX pass on the plain export)
+    runs["full@head-lr-scale10"] = dict(strategy="full", head_lr_scale=HEAD_SCALE)
+    runs["elastic-adam@0.5@head-lr-scale10"] = dict(
+        strategy="elastic", rho=0.5, head_lr_scale=HEAD_SCALE
+    )
     return runs
+
+
+def _model_key(overrides: dict) -> tuple[float, float]:
+    """(factor the torch export scales the head by, factor etgraph's pass scales it by)."""
+    return overrides.get("head_scale", 1.0), overrides.get("head_lr_scale", 1.0)
 
 
 RUNS = _runs()
@@ -214,11 +228,12 @@ def ablation(args) -> list[dict]:
     period = args.period or task["period"]
     try:
         models, profiles = {}, {}
-        for scale in sorted({RUNS[label].get("head_scale", 1.0) for label in labels}):
-            models[scale] = _prepare(args.task, work, scale)
-            loaded = LoadedModel.load(models[scale]["model"])
+        for key in sorted({_model_key(RUNS[label]) for label in labels}):
+            scale, pass_scale = key
+            models[key] = _prepare(args.task, work, scale)
+            loaded = LoadedModel.load(models[key]["model"], head_lr_scale=pass_scale)
             t0 = time.perf_counter()
-            profiles[scale] = (
+            profiles[key] = (
                 loaded,
                 profiler.profile_model(
                     loaded,
@@ -226,16 +241,18 @@ def ablation(args) -> list[dict]:
                     cache_dir=profile.default_cache_dir(),
                 ),
             )
-            settings[f"profiling_s_head{scale:g}"] = time.perf_counter() - t0
+            suffix = f"head{scale:g}" + (f"_pass{pass_scale:g}" if pass_scale != 1.0 else "")
+            settings[f"profiling_s_{suffix}"] = time.perf_counter() - t0
         order = (["full"] if "full" in labels else []) + [x for x in labels if x != "full"]
         for label in order:
             for seed in args.seeds:
                 if (label, seed) in done:
                     continue
                 overrides = dict(RUNS[label])
-                scale = overrides.pop("head_scale", 1.0)
-                spec = models[scale]
-                loaded, prof = profiles[scale]
+                key = _model_key(overrides)
+                overrides.pop("head_scale", None)
+                spec = models[key]
+                loaded, prof = profiles[key]
                 config = TrainConfig(
                     epochs=epochs,
                     batch_size=TASKS[args.task]["batch_size"],

