@@ -339,10 +339,10 @@ def transient_file(
     """A path for a transient file ``name`` of about ``size_bytes`` that is written, read once
     and dropped (a session's starting checkpoint: ORT reads it into memory), removed when the
     block ends. With ``ram``, in a private temporary directory in :data:`RAM_DIR` when that is
-    a writable directory with room for the file twice over: writing and then removing a
-    ResNet50 checkpoint there took 0.03 s, against 0.2-0.36 s to replace one on ext4 (issue
-    31); else (or without ``ram``: under a memory budget the file must not hold RAM) in
-    ``fallback_dir``."""
+    a writable directory with room for the file twice over (a 282 MB checkpoint: written in
+    0.13-0.15 s and replaced in 0.02-0.03 s there, against 0.28-0.42 s and 0.2-0.36 s on this
+    machine's ext4 disk; issue 31); else (or without ``ram``: under a memory budget the file
+    must not hold RAM) in ``fallback_dir``."""
     room = 0
     if ram:
         with contextlib.suppress(OSError):
