@@ -105,6 +105,24 @@ def test_corrected_model_meets_rho_where_the_open_loop_misses(rho):
     assert rho - 0.02 <= ratio <= rho + 1e-9
 
 
+def test_fit_caps_a_fixed_cost_no_machine_has():
+    """Issue 30's vision seed 0: one epoch at load 10-17, measured by CPU time at 0.795 of the
+    full step where the model said 0.499, fitted as a fixed 1.44 T_full per step; under it rho
+    0.5 left the next period one tensor. The offset is capped at MAX_OFFSET_FRACTION * T."""
+    t_dw, t_dy, forward = _synthetic(n=60)
+    t_full = forward + t_dw.sum() + t_dy.sum()
+    importance = np.linspace(1.0, 2.0, t_dw.size)
+    model = timing.TimeModel(t_dw, t_dy, forward, t_full)
+    p = timing.step_us(select_for_rho(model, 0.5, importance).mask, t_dw, t_dy, forward)
+    c = 1.44 * t_full
+    fit = timing.fit_step_times([p], [p + c], [t_full + c], t_full)
+    assert fit.offset_us == pytest.approx(timing.MAX_OFFSET_FRACTION * t_full)
+    corrected = fit.time_model(t_dw, t_dy, forward, 0.5)
+    assert select_for_rho(corrected, 0.5, importance).mask.sum() >= 5
+    legit = timing.fit_step_times([p], [p + 0.24 * t_full], [1.24 * t_full], t_full)
+    assert legit.offset_us == pytest.approx(0.24 * t_full)  # the largest logged: untouched
+
+
 def test_corrected_model_keeps_a_feasible_rho_feasible():
     t_dw, t_dy, forward = _synthetic()
     fit = timing.StepTimeFit(scale=1.0, offset_us=1e9, observations=1)  # absurd, from noise
