@@ -210,14 +210,25 @@ def wait_for(
         time.sleep(poll_s)
 
 
+def _default_sigint() -> None:
+    """In the child before ``exec``: SIGINT unblocked and at its default disposition, as a
+    terminal's foreground process has it. A process inherits a blocked or ignored SIGINT, and
+    Python then never raises KeyboardInterrupt: in the full suite (not alone) the Ctrl-C test
+    saw its run ignore the signal and finish."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def popen_cli(*args, env: dict[str, str]) -> subprocess.Popen:
-    """``python -m etgraph ARGS`` started in the background (text stderr piped)."""
+    """``python -m etgraph ARGS`` started in the background (text stderr piped), with SIGINT
+    at its default disposition (:func:`_default_sigint`)."""
     return subprocess.Popen(
         [sys.executable, "-m", "etgraph", *map(str, args)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **env},
+        preexec_fn=_default_sigint,
     )
 
 
