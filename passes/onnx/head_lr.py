@@ -38,6 +38,8 @@ from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from etgraph.errors import HeadLrScaleError
 
+from .head import _is  # a node of this op in the default domain
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -131,10 +133,6 @@ def check_head_lr_scale(scale) -> float:
             "use e.g. 10 (a fresh head at 10x the learning rate) or 1 (the same rate)"
         )
     return value
-
-
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _weight(value: ir.Value | None) -> ir.Value | None:
