@@ -74,13 +74,15 @@ FINISH_S = 0.6
 # ---- reference steps --------------------------------------------------------------------------
 
 
-def reference_positions(steps: int, count: int) -> frozenset[int]:
+def reference_positions(steps: int, count: int, end: bool = False) -> frozenset[int]:
     """Indices (0-based) of the ``count`` steps of an epoch of ``steps`` after which a reference
     step runs: spread evenly, never after step 0 (a fresh session's first step) unless the
-    epoch has one step."""
+    epoch has one step; ``end``: the last of them after the last step."""
     if steps <= 1:
         return frozenset([0])
     count = min(count, steps - 1)
+    if end:
+        return frozenset(int((j + 1) * (steps - 1) / count) for j in range(count))
     return frozenset(1 + int((j + 0.5) * (steps - 1) / count) for j in range(count))
 
 
@@ -90,6 +92,7 @@ def period_reference_positions(
     budget: float,
     rho: float,
     since_steps: int | None = None,
+    end: bool = False,
 ) -> list[frozenset[int]]:
     """Per epoch of a period, the steps (0-based) after which a full reference step runs.
 
@@ -110,6 +113,9 @@ def period_reference_positions(
         steps_per_epoch: >= 1. epochs: epochs in the period, >= 1. budget: fraction in (0, 1].
         rho: the period's requested rho, in (0, 1].
         since_steps: elastic steps trained since the last reference step, or None.
+        end: the last reference step after the period's last step, where the run needs the
+            gradients of a full step anyway (the next period's importance,
+            :func:`etgraph.steps.train_steps` ``carry_after``).
     """
     steps = steps_per_epoch * epochs
     per_step = budget * rho / (1 + REFERENCE_WARMUP)
@@ -117,7 +123,7 @@ def period_reference_positions(
         return [frozenset() for _ in range(epochs)]
     count = max(1, int(per_step * steps))
     out: list[set[int]] = [set() for _ in range(epochs)]
-    for i in reference_positions(steps, count):
+    for i in reference_positions(steps, count, end):
         out[i // steps_per_epoch].add(i % steps_per_epoch)
     return [frozenset(s) for s in out]
 
@@ -130,13 +136,14 @@ def reference_steps_at(
     budget: float,
     rho: float,
     records: list[dict] | None = None,
+    end: bool = False,
 ) -> frozenset[int]:
     """Steps of ``epoch`` (0-based) after which a full reference step runs: its period's
     (epochs ``[first_epoch, end_epoch)``) :func:`period_reference_positions`, given the run's
     epoch ``records`` before the period (:func:`steps_since_reference`; None: measure)."""
     since = steps_since_reference(records[:first_epoch]) if records is not None else None
     positions = period_reference_positions(
-        steps_per_epoch, end_epoch - first_epoch, budget, rho, since
+        steps_per_epoch, end_epoch - first_epoch, budget, rho, since, end
     )
     return positions[epoch - first_epoch]
 

@@ -56,7 +56,9 @@ class TrainConfig:
             task).
         tokenizer: the model's ``tokenizer.json`` for text data (``data`` a .csv/.jsonl file).
         val_fraction: fraction of each class held out for validation.
-        probe_batches: probe batches per importance evaluation (paper: one batch of 4).
+        probe_batches: probe batches per importance evaluation (paper: one batch of 4). With
+            one, periods after the first take it on the previous period's last training batch,
+            whose full step's gradients the run already has (:mod:`etgraph.period`).
         max_steps_per_epoch: cap on training steps per epoch (None = the whole training set);
             for quick runs on a subsample.
         max_val_batches: cap on validation batches (None = the whole validation set).

@@ -277,7 +277,51 @@ class ImportanceEvaluator:
         losses = session.accumulate(batches)
         if not losses:
             raise ConfigError("importance needs at least one probe batch")
-        importance = np.array(
+        importance = self._score(session, weights, learning_rate, len(losses), moments, step)
+        cost_s = time.perf_counter() - t0
+        return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
+
+    def evaluate_held(
+        self,
+        weights: Mapping[str, np.ndarray],
+        learning_rate: float,
+        *,
+        moments: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+        step: int = 0,
+    ) -> ImportanceResult:
+        """Importance from the gradients the evaluator's session holds: those of the last
+        full step the training loop took on it at ``weights`` (one batch; the period-end
+        step, :func:`etgraph.steps.train_steps` ``carry_after``), as :meth:`evaluate` would
+        compute them on that batch, without a forward or backward pass. The caller checks
+        that nothing used the session since (:attr:`etgraph.sessions.GradientSession.uses`).
+
+        Returns:
+            An :class:`ImportanceResult` (loss NaN: the step's loss is the training loop's).
+
+        Raises:
+            ConfigError: a missing weight, a non-positive learning rate, or no session open.
+        """
+        if not learning_rate > 0:
+            raise ConfigError(f"learning rate must be positive, got {learning_rate}")
+        if self._session is None:
+            raise ConfigError("the importance evaluator holds no gradients: no session is open")
+        self._require_weights(weights)
+        t0 = time.perf_counter()
+        importance = self._score(self._session, weights, learning_rate, 1, moments or {}, step)
+        return ImportanceResult(importance, float("nan"), time.perf_counter() - t0, 0.0)
+
+    def _score(
+        self,
+        session: GradientSession,
+        weights: Mapping[str, np.ndarray],
+        learning_rate: float,
+        batches: int,
+        moments: Mapping[str, Mapping[str, np.ndarray]],
+        step: int,
+    ) -> np.ndarray:
+        """float64 [N]: each tensor's importance from the gradients ``session`` holds, summed
+        over ``batches`` batches (:func:`etgraph.importance_rules.variant_importance`)."""
+        return np.array(
             [
                 variant_importance(
                     self.variant,
@@ -285,7 +329,7 @@ class ImportanceEvaluator:
                     weights[name],
                     learning_rate,
                     self.weight_decay,
-                    len(losses),
+                    batches,
                     self._scratch,
                     moments.get(name),
                     step,
@@ -294,8 +338,6 @@ class ImportanceEvaluator:
             ],
             dtype=np.float64,
         )
-        cost_s = time.perf_counter() - t0
-        return ImportanceResult(importance, float(np.mean(losses)), cost_s, session_s)
 
     def _random(self, seed: int) -> ImportanceResult:
         """The ``"random"`` variant: uniform in (0, 1] per tensor, no gradients."""

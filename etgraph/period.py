@@ -5,7 +5,11 @@ At each period start :meth:`PeriodController.reselect`:
 
 1. **importance** — first-order importance of every tensor on probe batch(es), from one AdamW
    update of all tensors in a separate session (:mod:`etgraph.importance`; under a memory
-   budget chunk by chunk from the state's checkpoint file);
+   budget chunk by chunk from the state's checkpoint file). After the first period it needs no
+   pass of its own: the full step after the previous period's last step, on the all-trainable
+   session brought to the trained tensors' values, left the gradients at exactly the carried
+   weights (:meth:`PeriodController.carries_gradients`; on that step's training batch instead
+   of a probe batch);
 2. **selection** — the DP of Eq. (3) under ``rho * t_full_us`` of the time model, corrected by
    the fit to the steps measured so far (:mod:`etgraph.clock`), or a baseline strategy
    (:data:`etgraph.selection.STRATEGIES`);
@@ -27,6 +31,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +154,7 @@ class PeriodController:
         self.tensors = list(model.tensors)
         self._evaluator: ImportanceEvaluator | None = None
         self._reference: GradientSession | None = None  # full steps measured alike
+        self._held: tuple[int, GradientSession, int] | None = None  # (period, session, uses)
         self._startup_peak_mb: float | None = None
         self.last_artifacts_cpu_s = 0.0  # process CPU time of the last artifacts fetched
         if config.memory_mb is None:  # a native crash of ORT: one line (once per model; under
@@ -254,7 +260,10 @@ class PeriodController:
         """The persistent all-trainable session that measures the reference step: importance's
         own session where the strategy has one (one all-trainable session, not two), else one
         on the same artifacts. Its steps run at learning rate 0, so its weights never change and
-        it never diverges (importance overwrites them anyway): the cost is any rate's."""
+        it never diverges (importance overwrites them anyway): the cost is any rate's. A fresh
+        session's first steps allocate its buffers: two untimed steps warm it, unless
+        importance's pass already ran on it (its first full step is then as fast as the next,
+        and the reference takes the fastest of its timed steps anyway)."""
         if self._reference is None:
             if self.config.strategy in IMPORTANCE_STRATEGIES:
                 self._reference = self.evaluator().session()
@@ -265,9 +274,10 @@ class PeriodController:
                     input_names=self.model.input_names,
                     config=self.options.config,
                 )
-            batch = self.probe_batches(0)[0]
-            for _ in range(2):  # a fresh session's first steps allocate its buffers
-                self._reference.train_step(*batch, 0.0)
+            if self._reference.uses == 0:
+                batch = self.probe_batches(0)[0]
+                for _ in range(2):
+                    self._reference.train_step(*batch, 0.0)
         return self._reference
 
     def full_step_now_s(self, steps: int = 3) -> float:
@@ -332,8 +342,36 @@ class PeriodController:
         self.use_options(changed, winner)
         return changed
 
+    # -- the next period's importance from the period-end step --------------------------------
+
+    @property
+    def on_last_batch(self) -> bool:
+        """A period's importance is taken on the previous period's last training batch
+        (:meth:`importance`): strategies with importance, on one batch (``probe_batches`` 1)."""
+        return self.config.strategy in IMPORTANCE_STRATEGIES and self.config.probe_batches == 1
+
+    @property
+    def carries_gradients(self) -> bool:
+        """The next period's importance comes from the gradients of a full step on the
+        reference session after a period's last step (:func:`etgraph.steps.train_steps`
+        ``carry_after``, :meth:`hold_gradients`): :attr:`on_last_batch`, for importance that
+        needs gradients, without a memory budget (no all-trainable session there)."""
+        return self.on_last_batch and self.config.importance != "random" and not self.bounded
+
+    def hold_gradients(self, period: int) -> None:
+        """The reference session now holds the gradients at the carried weights of
+        ``period``'s start (the previous period's last step was carried): its importance
+        uses them unless anything uses the session first."""
+        self._held = (period, self._reference, self._reference.uses)
+
+    def forget_gradients(self) -> None:
+        """The carried state changed outside training (weights set, a run restored): the held
+        gradients are not at it."""
+        self._held = None
+
     def close(self) -> None:
         """Release the all-trainable sessions (importance's and the reference steps')."""
+        self._held = None
         self._reference = None
         if self._evaluator is not None:
             self._evaluator.close()
@@ -374,13 +412,36 @@ class PeriodController:
 
     # -- the period start -----------------------------------------------------------------------
 
-    def importance(self, period: int, carried: CarriedState | Path, memory) -> np.ndarray | None:
+    def importance(
+        self,
+        period: int,
+        carried: CarriedState | Path,
+        memory,
+        last_batch: Callable[[], tuple] | None = None,
+    ) -> np.ndarray | None:
         """This period's importance at the carried weights (None for strategies without it).
-        ``carried``: the state, or under a memory budget the checkpoint file holding it."""
+        ``carried``: the state, or under a memory budget the checkpoint file holding it.
+
+        Taken on the previous period's last training batch where ``last_batch`` gives it and
+        :attr:`on_last_batch`: from the gradients held since that step (:meth:`hold_gradients`)
+        or, when none are held (a memory budget, a resumed run, weights set), by a pass on it,
+        so every run selects alike; else on the period's probe batches."""
         if self.config.strategy not in IMPORTANCE_STRATEGIES:
             return None
-        batches, lr = self.probe_batches(period), self.config.learning_rate
+        lr = self.config.learning_rate
         seed = probe_seed(self.config.seed, period)  # the "random" variant's draw
+        held, self._held = self._held, None
+        if held is not None and isinstance(carried, CarriedState):
+            held_period, session, uses = held
+            if held_period == period and session is self._reference and session.uses == uses:
+                result = self.evaluator().evaluate_held(
+                    carried.weights, lr, moments=carried.moments, step=carried.step
+                )
+                return result.importance
+        if last_batch is not None and self.on_last_batch:
+            batches = [last_batch()]
+        else:
+            batches = self.probe_batches(period)
         if isinstance(carried, Path):
             result = self.evaluator(memory).evaluate_checkpoint(
                 carried, batches, lr, self.work_dir, seed=seed
@@ -487,11 +548,13 @@ class PeriodController:
         session: TrainingSession | None = None,
         mask_prev: np.ndarray | None = None,
         importance_fn=None,
+        last_batch: Callable[[], tuple] | None = None,
     ) -> Reselection:
         """Importance -> selection -> artifacts -> session (kept if the mask is unchanged and
         ``session`` is open). ``records``: the run's epochs so far (the fit);
         ``importance_fn``: maps the measured importance to the one the DP maximises
-        (:meth:`etgraph.trainer.ElasticTrainer.begin_period`). Every part is timed (counted as
+        (:meth:`etgraph.trainer.ElasticTrainer.begin_period`); ``last_batch``: the previous
+        period's last training batch (:meth:`importance`). Every part is timed (counted as
         training time; ``artifacts_cpu_s`` is the artifacts' process CPU time).
 
         Raises:
@@ -501,7 +564,7 @@ class PeriodController:
         cfg = self.config
         t0 = time.perf_counter()
         memory = self.memory_costs()  # under a budget: measured with nothing large held
-        importance = self.importance(period, carried, memory)
+        importance = self.importance(period, carried, memory, last_batch)
         if importance is not None and importance_fn is not None:
             importance = np.asarray(importance_fn(importance), dtype=np.float64)
         t1 = time.perf_counter()

@@ -137,7 +137,8 @@ class EpochRecord:
     predicted_step_us: float
     measured_step_us: float  # mean step (forward+backward+update), first step of a session excluded
     reselection_s: float  # importance + selection + artifacts + session creation (0 if none)
-    importance_s: float
+    importance_s: float  # the period start's, plus the gradient pass after a period's last
+    #   step for the next period's importance (etgraph.steps.train_steps carry_after)
     selection_s: float
     artifacts_s: float
     session_s: float

@@ -253,6 +253,11 @@ class TrainingSession:
         """Copies of every parameter's current value, by name."""
         return {name: p.data.copy() for name, p in self.state.parameters}
 
+    def trainable_views(self) -> dict[str, np.ndarray]:
+        """Zero-copy views of the trainable parameters' current values, by name (valid until
+        the next step)."""
+        return {name: p.data for name, p in self.state.parameters if p.requires_grad}
+
 
 class GradientSession:
     """A training ``Module`` (no optimizer) whose parameters are set before each use.
@@ -265,6 +270,11 @@ class GradientSession:
         config: session options (benchmarks); default the "probe" role's.
         checkpoint: the checkpoint to start from (trainable set = the artifacts'); default the
             artifacts' own.
+
+    Attributes:
+        uses: how many times parameters were set or gradients computed: a caller that keeps
+            the gradients of one use for later (the next period's importance, :mod:`etgraph.
+            period`) checks that nothing used the session since.
     """
 
     def __init__(
@@ -286,6 +296,7 @@ class GradientSession:
             session_options=session_options(threads, role="probe", config=config),
         )
         self._optimizer = None  # opened by the first train_step
+        self.uses = 0
 
     def set_parameters(self, weights: Mapping[str, np.ndarray], names: Iterable[str]) -> None:
         """Overwrite parameters ``names`` with ``weights[name]``, in place.
@@ -293,6 +304,7 @@ class GradientSession:
         Writes through the zero-copy views: assigning ``parameters[name] = a`` segfaults in ORT
         1.19.2 before a Module exists on the state; the views are safe.
         """
+        self.uses += 1
         params = self.state.parameters
         for name in names:
             params[name].data[...] = weights[name]
@@ -300,6 +312,7 @@ class GradientSession:
     def accumulate(self, batches) -> list[float]:
         """Forward + backward of every batch, gradients accumulated from zero (ORT accumulates
         until ``lazy_reset_grad``). Returns the loss of each batch."""
+        self.uses += 1
         self.module.train()
         self.module.lazy_reset_grad()  # drop the previous use's gradients at the next call
         losses = []
@@ -309,13 +322,16 @@ class GradientSession:
         return losses
 
     def gradient(self, name: str) -> np.ndarray:
-        """Zero-copy view of the accumulated gradient of ``name`` (valid until the next use)."""
+        """Zero-copy view of the gradient of ``name`` the last :meth:`accumulate` or
+        :meth:`train_step` left (``lazy_reset_grad`` clears it only at the next call; valid
+        until the next use: :attr:`uses` tells whether there was one)."""
         return self.state.parameters[name].grad
 
     def train_step(self, x, y: np.ndarray, learning_rate: float) -> float:
         """A full training step, as :meth:`TrainingSession.train_step` (the training loop's
         reference steps, at learning rate 0: AdamW then changes no weight, at the same cost).
         The AdamW session is opened at the first call. Returns the mean loss."""
+        self.uses += 1
         if self._optimizer is None:
             self._optimizer = api.Optimizer(
                 str(self.directory / "optimizer_model.onnx"), self.module

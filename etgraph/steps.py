@@ -3,7 +3,10 @@
 :func:`train_steps` runs the elastic steps of one epoch on a training session at the cosine
 learning rate of each global step, and after the chosen steps (:mod:`etgraph.clock`) a full
 reference step on the all-trainable session, on the same batch and clock: the first of
-``1 + REFERENCE_WARMUP`` timed full steps warms the caches, the fastest is kept.
+``1 + REFERENCE_WARMUP`` timed full steps warms the caches, the fastest is kept. After a
+period's last step (``carry_after``) the all-trainable session takes the trained tensors'
+values, so the gradients of its step there are the next period's importance at the period's
+final weights (issue 31: no pass of its own at the next period start).
 :func:`epoch_record` turns what was timed into the epoch's :class:`etgraph.rundir.EpochRecord`
 (medians, rho measured alike by wall and CPU clock, the fit's prediction). No files.
 """
@@ -47,6 +50,10 @@ class EpochSteps:
         reference_times, reference_cpu: ``(i, s)`` per full reference step taken after elastic
             step ``i``, wall and CPU (the fastest of its timed full steps).
         reference_s: the reference steps, warm-ups included.
+        gradients_s: the pass after ``carry_after`` when no reference step was due there
+            (the next period's importance; copying the trained tensors included).
+        carried: the step ``carry_after`` was trained, and the reference session was left
+            holding the gradients at the trained tensors' values after it.
         train_s: the epoch's steps, wall (reference steps included).
         losses: each step's mean loss. correct: the metric summed over the epoch (correct
             predictions for ce). seen: examples trained on. learning_rate: the last step's.
@@ -57,6 +64,8 @@ class EpochSteps:
     reference_times: list[tuple[int, float]] = field(default_factory=list)
     reference_cpu: list[tuple[int, float]] = field(default_factory=list)
     reference_s: float = 0.0
+    gradients_s: float = 0.0
+    carried: bool = False
     train_s: float = 0.0
     losses: list[float] = field(default_factory=list)
     correct: float = 0
@@ -72,6 +81,7 @@ def train_steps(
     *,
     reference: GradientSession | None = None,
     reference_at: frozenset[int] = frozenset(),
+    carry_after: int | None = None,
     on_nonfinite: Callable[[int, float, float], None] | None = None,
     progress: str | None = None,
     total: int | None = None,
@@ -85,6 +95,9 @@ def train_steps(
         first_step: the global step of the first batch.
         reference: the all-trainable session the reference steps run on (learning rate 0).
         reference_at: the epoch's step indices after which a reference step runs.
+        carry_after: the step index after which ``reference`` takes the trainable tensors of
+            ``session`` and is left holding the gradients at them on that step's batch: those
+            of the reference steps if one is due there, else of one forward and backward pass.
         on_nonfinite: called with ``(steps taken, loss, learning rate)`` at a NaN or infinite
             loss, before anything else; it should raise (the run stops there).
         progress: a tqdm bar of this title on stderr (running loss and accuracy), or none.
@@ -99,6 +112,14 @@ def train_steps(
         loss, right = session.train_step(x, y, lr)
         out.step_times.append(time.perf_counter() - ts)
         out.step_cpu.append(time.process_time() - cs)
+        if i == carry_after and reference is not None:
+            tg = time.perf_counter()
+            views = session.trainable_views()
+            reference.set_parameters(views, views)
+            if i not in reference_at:
+                reference.accumulate([(x, y)])
+            out.gradients_s += time.perf_counter() - tg
+            out.carried = True
         if i in reference_at and reference is not None:
             t_ref = time.perf_counter()
             wall, cpu = [], []
@@ -200,7 +221,7 @@ def epoch_record(
         predicted_step_us=predicted_step_us,
         measured_step_us=float(np.mean(timed) * 1e6) if timed else float("nan"),
         reselection_s=t.get("reselection_s", 0.0),
-        importance_s=t.get("importance_s", 0.0),
+        importance_s=t.get("importance_s", 0.0) + st.gradients_s,
         selection_s=t.get("selection_s", 0.0),
         artifacts_s=t.get("artifacts_s", 0.0),
         session_s=t.get("session_s", 0.0),

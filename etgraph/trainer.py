@@ -245,6 +245,7 @@ class ElasticTrainer(WeightsAccess):
         if self._period is not None:
             raise ConfigError("restore() between periods only")
         self._carried = self._initial_state() if state is None else state
+        self.controller.forget_gradients()
         if state is not None:
             self.source_model = None
         self._session, self._mask = None, None
@@ -358,6 +359,7 @@ class ElasticTrainer(WeightsAccess):
             self._session,
             self._mask,
             importance_fn=importance_fn,
+            last_batch=self._last_batch if self.epoch > 0 else None,
         )
         self._session, self._mask, self.fit_model = chosen.session, chosen.mask, chosen.fit
         self._since_set.update(np.asarray(self.names)[chosen.mask].tolist())
@@ -452,7 +454,9 @@ class ElasticTrainer(WeightsAccess):
         cfg, info = self.config, self._period
         epoch, period = self.epoch, info.period
         session = self._ensure_session()
-        reference, reference_at, setup_s = None, frozenset(), 0.0
+        reference, reference_at, setup_s, carry_after = None, frozenset(), 0.0, None
+        # the next period's importance: the gradients of a full step after this one's last
+        carry = info.end_epoch < cfg.epochs and self.controller.carries_gradients
         if cfg.strategy != "full" and not self.bounded:  # a full step would not fit a budget
             t0 = time.perf_counter()
             reference = self.controller.reference_session()  # the first epoch opens it
@@ -465,7 +469,10 @@ class ElasticTrainer(WeightsAccess):
                 cfg.reference_budget,
                 self.rho,
                 self.records,
+                end=carry,
             )
+            if carry and epoch == info.end_epoch - 1:
+                carry_after = self.steps_per_epoch - 1
 
         def diverged(step: int, loss: float, lr: float) -> None:
             self._diverged(epoch, period, step, loss, lr)
@@ -477,10 +484,13 @@ class ElasticTrainer(WeightsAccess):
             self.global_step,
             reference=reference,
             reference_at=reference_at,
+            carry_after=carry_after,
             on_nonfinite=diverged,
             progress=f"epoch {epoch + 1}/{cfg.epochs}" if self.progress else None,
             total=self.steps_per_epoch,
         )
+        if steps.carried:
+            self.controller.hold_gradients(period + 1)
         fresh, session.fresh = session.fresh, False
         t_val = time.perf_counter()
         val_loss, val_metric = session.evaluate(self.val_batches(), cfg.batch_size)
@@ -665,6 +675,11 @@ class ElasticTrainer(WeightsAccess):
         seed = self.config.seed * 1000 + epoch
         batches = self.dataset.train_batches(self.config.batch_size, seed=seed)
         return itertools.islice(batches, self.steps_per_epoch)
+
+    def _last_batch(self) -> tuple:
+        """The last training batch of the epoch before this one (its period's last step)."""
+        *_, last = self._train_batches(self.epoch - 1)
+        return last
 
     # -- lifetime -------------------------------------------------------------------------------
 

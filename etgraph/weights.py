@@ -25,7 +25,7 @@ __all__ = ["WeightsAccess"]
 class WeightsAccess:
     """:meth:`get_weights`, :meth:`set_weights`, :meth:`trained_weights` of
     :class:`etgraph.trainer.ElasticTrainer` (which holds ``_session``, ``_carried``,
-    ``work_dir``, ``bounded``, ``model``, ``_since_set`` and ``_stats_at_set``)."""
+    ``work_dir``, ``bounded``, ``model``, ``controller``, ``_since_set`` and ``_stats_at_set``)."""
 
     def _state_file(self) -> Path:
         """A checkpoint file of the current state (weights, moments, step): the open session's
@@ -74,6 +74,7 @@ class WeightsAccess:
             weights = head_lr.stored(weights)
         state = self._state().updated(weights, self.model.proto, reset_moments=reset_moments)
         self._carried = state
+        self.controller.forget_gradients()  # not at these weights
         if self.bounded:  # the state lives in a file (with the moments it has)
             path = self.work_dir / "set.ckpt"
             write_checkpoint(path, state, sorted(state.moments))

@@ -216,3 +216,50 @@ def test_a_trainer_with_a_run_directory_holds_its_lock(tmp_path, default_model, 
     assert_user_error(done, f"pid {os.getpid()}", "in use by another etgraph process")
     trainer.close()
     assert not (out / ".etgraph-lock").exists()
+
+
+@pytest.mark.slow
+def test_the_next_period_s_importance_comes_from_the_period_end_step(
+    default_model, default_profile
+):
+    """After a period's last step the all-trainable session takes the trained tensors, and the
+    gradients of its step there are the next period's importance: equal to an evaluation of its
+    own on that batch at the checkpointed weights (not the probe batch's), with no pass at the
+    period start; weights set from outside drop them (a pass on the same batch then)."""
+    from etgraph.checkpoint import read_checkpoint
+
+    prof, _ = default_profile
+    x, y = digits_arrays(120)
+    config = etgraph.TrainConfig(
+        epochs=3, period=1, rho=0.6, max_steps_per_epoch=6, closed_loop=False, spinning="off"
+    )
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 96, 4)]
+    with etgraph.ElasticTrainer(
+        default_model, prof, config, data=batches, val_data=(x[96:], y[96:])
+    ) as trainer:
+        trainer.begin_period()
+        trainer.train_epoch()  # period 0's last step is carried
+        controller = trainer.controller
+        reference = controller.reference_session()
+        uses = reference.uses
+        info = trainer.begin_period()
+        assert reference.uses == uses  # no forward or backward pass at the period start
+        state = read_checkpoint(trainer.checkpoint_path)[0]
+        *_, last = trainer._train_batches(0)
+        lr = config.learning_rate
+
+        def evaluated(batches):
+            return controller.evaluator().evaluate(
+                state.weights, batches, lr, moments=state.moments, step=state.step
+            )
+
+        np.testing.assert_allclose(info.importance, evaluated([last]).importance, rtol=1e-6)
+        probe = evaluated(controller.probe_batches(1)).importance
+        assert not np.allclose(info.importance, probe, rtol=1e-3)
+        trainer.train_epoch()
+        trainer.set_weights(trainer.get_weights())  # from outside: nothing held any more
+        info = trainer.begin_period()
+        assert reference.uses > uses
+        state = read_checkpoint(trainer.checkpoint_path)[0]
+        *_, last = trainer._train_batches(1)
+        np.testing.assert_allclose(info.importance, evaluated([last]).importance, rtol=1e-6)

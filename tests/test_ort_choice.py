@@ -152,6 +152,11 @@ def test_reference_steps_are_counted_over_the_period():
     many = period_reference_positions(100, 2, 0.2, 1.0)
     assert [len(p) for p in many] == [10, 10]  # 0.2 * 200 steps / 2 full steps each
     assert all(0 <= i < 100 for p in many for i in p)
+    # a period whose last step is carried (the next importance): the last one there, free
+    at_end = period_reference_positions(179, 3, 0.01, 0.5, end=True)
+    assert at_end == [frozenset(), frozenset(), frozenset({178})]
+    many = period_reference_positions(100, 2, 0.2, 1.0, end=True)
+    assert [len(p) for p in many] == [10, 10] and 99 in many[1] and 0 not in many[0]
 
 
 def test_short_periods_take_reference_steps_within_the_budget_over_periods():
