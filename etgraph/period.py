@@ -39,7 +39,7 @@ import numpy as np
 
 from .artifacts import ArtifactCache, ArtifactPaths
 from .checkpoint import CarriedState, checkpoint_bytes, read_checkpoint, write_checkpoint
-from .clock import RHO_TOLERANCE, fit_time_model
+from .clock import RHO_TOLERANCE, fit_time_model, reference_steps_at
 from .config import TrainConfig
 from .data import Dataset
 from .errors import InfeasibleMemoryError
@@ -279,6 +279,41 @@ class PeriodController:
                 for _ in range(2):
                     self._reference.train_step(*batch, 0.0)
         return self._reference
+
+    def full_steps(
+        self,
+        epoch: int,
+        first_epoch: int,
+        end_epoch: int,
+        steps_per_epoch: int,
+        rho: float,
+        records: list[dict],
+    ) -> tuple[GradientSession | None, frozenset[int], float, int | None]:
+        """The full steps of ``epoch`` in the period of epochs ``[first_epoch, end_epoch)``:
+        ``(reference session, reference step positions, seconds opening the session,
+        carry_after)`` for :func:`etgraph.steps.train_steps`; none for full training or under
+        a memory budget (a full step would not fit it). A period with a next one carries its
+        last step's gradients (:attr:`carries_gradients`) and takes its last reference step
+        (:func:`etgraph.clock.reference_steps_at`, given the run's ``records``) there."""
+        cfg = self.config
+        if cfg.strategy == "full" or self.bounded:
+            return None, frozenset(), 0.0, None
+        carry = end_epoch < cfg.epochs and self.carries_gradients
+        t0 = time.perf_counter()
+        reference = self.reference_session()  # the first epoch opens it
+        setup_s = time.perf_counter() - t0
+        reference_at = reference_steps_at(
+            epoch,
+            first_epoch,
+            end_epoch,
+            steps_per_epoch,
+            cfg.reference_budget,
+            rho,
+            records,
+            end=carry,
+        )
+        carry_after = steps_per_epoch - 1 if carry and epoch == end_epoch - 1 else None
+        return reference, reference_at, setup_s, carry_after
 
     def full_step_now_s(self, steps: int = 3) -> float:
         """Median wall time (s) of ``steps`` full steps of the (warm) reference session on a

@@ -104,46 +104,67 @@ def train_steps(
         total: the epoch's steps (the bar's length).
     """
     out = EpochSteps(learning_rate=learning_rate(first_step))
-    bar = tqdm(total=total, desc=progress, disable=progress is None, leave=False, unit="step")
     t_epoch = time.perf_counter()
-    for i, (x, y) in enumerate(batches):
-        lr = out.learning_rate = learning_rate(first_step + i)
-        ts, cs = time.perf_counter(), time.process_time()
-        loss, right = session.train_step(x, y, lr)
-        out.step_times.append(time.perf_counter() - ts)
-        out.step_cpu.append(time.process_time() - cs)
-        if i == carry_after and reference is not None:
-            tg = time.perf_counter()
-            views = session.trainable_views()
-            reference.set_parameters(views, views)
-            if i not in reference_at:
-                reference.accumulate([(x, y)])
-            out.gradients_s += time.perf_counter() - tg
-            out.carried = True
-        if i in reference_at and reference is not None:
-            t_ref = time.perf_counter()
-            wall, cpu = [], []
-            for _ in range(1 + REFERENCE_WARMUP):  # the fastest of them (REFERENCE_WARMUP)
-                ts, cs = time.perf_counter(), time.process_time()
-                reference.train_step(x, y, 0.0)
-                wall.append(time.perf_counter() - ts)
-                cpu.append(time.process_time() - cs)
-            out.reference_times.append((i, min(wall)))
-            out.reference_cpu.append((i, min(cpu)))
-            out.reference_s += time.perf_counter() - t_ref
-        if not math.isfinite(loss) and on_nonfinite is not None:
-            bar.close()
-            on_nonfinite(len(out.step_times), loss, lr)
-        out.losses.append(loss)
-        out.correct += right
-        out.seen += y.shape[0]
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{np.mean(out.losses):.3f}", acc=f"{out.correct / out.seen:.3f}", refresh=False
-        )
+    # closed however the epoch ends (an interrupt, a signal), so no half-drawn bar is left
+    # before the line that says why the run stopped
+    with tqdm(
+        total=total, desc=progress, disable=progress is None, leave=False, unit="step"
+    ) as bar:
+        for i, (x, y) in enumerate(batches):
+            lr = out.learning_rate = learning_rate(first_step + i)
+            ts, cs = time.perf_counter(), time.process_time()
+            loss, right = session.train_step(x, y, lr)
+            out.step_times.append(time.perf_counter() - ts)
+            out.step_cpu.append(time.process_time() - cs)
+            if reference is not None:
+                _full_steps(out, i, x, y, session, reference, reference_at, carry_after)
+            if not math.isfinite(loss) and on_nonfinite is not None:
+                bar.close()
+                on_nonfinite(len(out.step_times), loss, lr)
+            out.losses.append(loss)
+            out.correct += right
+            out.seen += y.shape[0]
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{np.mean(out.losses):.3f}",
+                acc=f"{out.correct / out.seen:.3f}",
+                refresh=False,
+            )
     out.train_s = time.perf_counter() - t_epoch
-    bar.close()
     return out
+
+
+def _full_steps(
+    out: EpochSteps,
+    i: int,
+    x,
+    y: np.ndarray,
+    session: TrainingSession,
+    reference: GradientSession,
+    reference_at: frozenset[int],
+    carry_after: int | None,
+) -> None:
+    """After elastic step ``i`` on batch ``(x, y)``: the carry of :func:`train_steps` and the
+    reference steps due there, recorded in ``out``."""
+    if i == carry_after:
+        tg = time.perf_counter()
+        views = session.trainable_views()
+        reference.set_parameters(views, views)
+        if i not in reference_at:
+            reference.accumulate([(x, y)])
+        out.gradients_s += time.perf_counter() - tg
+        out.carried = True
+    if i in reference_at:
+        t_ref = time.perf_counter()
+        wall, cpu = [], []
+        for _ in range(1 + REFERENCE_WARMUP):  # the fastest of them (REFERENCE_WARMUP)
+            ts, cs = time.perf_counter(), time.process_time()
+            reference.train_step(x, y, 0.0)
+            wall.append(time.perf_counter() - ts)
+            cpu.append(time.process_time() - cs)
+        out.reference_times.append((i, min(wall)))
+        out.reference_cpu.append((i, min(cpu)))
+        out.reference_s += time.perf_counter() - t_ref
 
 
 def epoch_record(

@@ -42,7 +42,7 @@ from . import files, rundir
 from .artifact_weights import lazy_initializer_values, placeholder_weights
 from .artifacts import ArtifactCache
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
-from .clock import DeadlinePlanner, reference_steps_at
+from .clock import DeadlinePlanner
 from .config import TrainConfig, check_run_inputs, load_run_data, steps_per_epoch
 from .errors import ConfigError, DataError, TrainingDivergedError
 from .events import Callback, PeriodInfo
@@ -454,25 +454,9 @@ class ElasticTrainer(WeightsAccess):
         cfg, info = self.config, self._period
         epoch, period = self.epoch, info.period
         session = self._ensure_session()
-        reference, reference_at, setup_s, carry_after = None, frozenset(), 0.0, None
-        # the next period's importance: the gradients of a full step after this one's last
-        carry = info.end_epoch < cfg.epochs and self.controller.carries_gradients
-        if cfg.strategy != "full" and not self.bounded:  # a full step would not fit a budget
-            t0 = time.perf_counter()
-            reference = self.controller.reference_session()  # the first epoch opens it
-            setup_s = time.perf_counter() - t0
-            reference_at = reference_steps_at(
-                epoch,
-                info.first_epoch,
-                info.end_epoch,
-                self.steps_per_epoch,
-                cfg.reference_budget,
-                self.rho,
-                self.records,
-                end=carry,
-            )
-            if carry and epoch == info.end_epoch - 1:
-                carry_after = self.steps_per_epoch - 1
+        reference, reference_at, setup_s, carry_after = self.controller.full_steps(
+            epoch, info.first_epoch, info.end_epoch, self.steps_per_epoch, self.rho, self.records
+        )
 
         def diverged(step: int, loss: float, lr: float) -> None:
             self._diverged(epoch, period, step, loss, lr)
