@@ -141,6 +141,22 @@ def test_the_round_plan_spends_the_time_left_and_cuts_steps_below_the_cheapest_r
     assert plan_round(left_s=1, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2).steps == 0
 
 
+def test_a_client_plans_with_the_worst_of_its_recent_fixed_costs():
+    """A period start that took 3x its usual cost in one round is planned for in the next
+    rounds (the last round's alone let a slow client's period start overrun the deadline)."""
+    from etgraph.federated.clock import COST_MEMORY, RoundCosts
+
+    costs = RoundCosts(begin_s=1.0, end_s=0.5)
+    costs.observe(begin_s=3.0, end_s=0.4)
+    costs.observe(begin_s=1.0, end_s=0.4)
+    assert costs.begin_s == 3.0 and costs.end_s == 0.5
+    costs.observe(begin_s=None, end_s=0.4)  # a round without a period start
+    assert costs.begin_s == 3.0 and costs.end_s == 0.4
+    for _ in range(COST_MEMORY):
+        costs.observe(begin_s=1.0, end_s=0.4)
+    assert costs.begin_s == 1.0  # forgotten after COST_MEMORY rounds
+
+
 # ---- FedEL's switches -------------------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ from ..files import private_temp_dir
 from ..timing import min_feasible_rho
 from ..trainer import ElasticTrainer
 from . import fedel
-from .clock import VirtualClock, plan_round
+from .clock import RoundCosts, VirtualClock, plan_round
 from .config import FederateConfig
 from .task import Task, load_task
 
@@ -95,8 +95,7 @@ class FederatedClient:
         self.head = [i for i, t in enumerate(tensors) if t.layer == tensors[-1].layer]
         self.full_step_s = self._measure_full_step()  # this machine, the clock's source
         self.correction = 1.0  # measured elastic step / predicted, from the last round
-        self.fixed_s, self.end_s = 0.0, 0.0  # a round's costs outside its steps, virtual
-        self._end_history: list[float] = []
+        self.costs = RoundCosts()  # a round's costs outside its steps, virtual
         if config.elastic:
             self._calibrate()
 
@@ -124,12 +123,11 @@ class FederatedClient:
             trainer.set_weights(weights, reset_moments=True)
             info = trainer.begin_period(self.floor_rho)
             clock.discount(self._artifacts_time(info))
-            self.fixed_s = clock.elapsed_s()
+            begin_s = clock.elapsed_s()
             clock.start()
             trainer.end_period()
             trainer.trained_weights()
-            self.end_s = clock.elapsed_s()
-        self._end_history = [self.end_s]
+            self.costs = RoundCosts(begin_s, clock.elapsed_s())
         trainer.set_weights(weights, reset_moments=True)
 
     def _artifacts_time(self, info) -> float:
@@ -175,7 +173,7 @@ class FederatedClient:
                 left_s=target - clock.elapsed_s(),
                 steps=planned,
                 full_step_s=full_s,
-                fixed_s=self.fixed_s + self.end_s,
+                fixed_s=self.costs.begin_s + self.costs.end_s,
                 floor_rho=self.floor_rho,
             )
             rho, steps, partial = plan.rho, plan.steps, plan.partial
@@ -205,7 +203,7 @@ class FederatedClient:
                     break
                 if target is not None and cfg.elastic:
                     expected = float(np.mean(step_s)) if step_s else step_guess
-                    if clock.elapsed_s() + expected + self.end_s > target:
+                    if clock.elapsed_s() + expected + self.costs.end_s > target:
                         break
                 t0 = clock.elapsed_s()
                 losses.append(trainer.step(x, y))
@@ -220,10 +218,9 @@ class FederatedClient:
         if info is not None and timed:
             predicted = full_s * info.predicted_step_us / trainer.profile.t_full_us
             self.correction *= float(np.clip(mean_step / predicted, 0.5, 2.0))
-        if info is not None:
-            self.fixed_s = begin_s  # next round's estimates: this round's measurements
-        self._end_history = (self._end_history + [clock.elapsed_s() - t_end])[-3:]
-        self.end_s = max(self._end_history)  # the upload's cost varies: plan for the worst
+        self.costs.observe(  # the next rounds' estimates
+            begin_s=begin_s if info is not None else None, end_s=clock.elapsed_s() - t_end
+        )
         if fault == "hang":
             time.sleep((round_timeout_s or 0.0) + HANG_EXTRA_S)
         round_s = clock.elapsed_s()

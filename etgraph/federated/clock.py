@@ -36,9 +36,12 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["CLOCK_SOURCES", "RoundPlan", "VirtualClock", "plan_round"]
+__all__ = ["CLOCK_SOURCES", "COST_MEMORY", "RoundCosts", "RoundPlan", "VirtualClock", "plan_round"]
 
 CLOCK_SOURCES = ("cpu", "wall")
+
+#: Rounds whose measured fixed costs a client plans with (the worst of them).
+COST_MEMORY = 3
 
 
 class VirtualClock:
@@ -78,6 +81,35 @@ class VirtualClock:
     def discount(self, measured_s: float) -> None:
         """Take ``measured_s`` of this machine's time (in this clock's source) off the clock."""
         self._discounted += max(0.0, float(measured_s))
+
+
+class RoundCosts:
+    """A client's fixed costs of a round outside its steps, virtual s, as planned: the worst of
+    the last :data:`COST_MEMORY` rounds measured, for the period start (importance, selection,
+    session) and the end (checkpoint, upload) each. Both vary from round to round with the
+    machine's other work (1.5-3x on a loaded one); planning with the last round's alone let a
+    slow client's period start overrun the deadline by itself (a round of 0 steps ended at
+    1.85x the deadline, issue 29)."""
+
+    def __init__(self, begin_s: float = 0.0, end_s: float = 0.0):
+        self._begin: list[float] = [float(begin_s)]
+        self._end: list[float] = [float(end_s)]
+
+    def observe(self, *, begin_s: float | None, end_s: float) -> None:
+        """Add a round's measured costs (``begin_s`` None: it had no period start)."""
+        if begin_s is not None:
+            self._begin = (self._begin + [float(begin_s)])[-COST_MEMORY:]
+        self._end = (self._end + [float(end_s)])[-COST_MEMORY:]
+
+    @property
+    def begin_s(self) -> float:
+        """The period start's planned cost."""
+        return max(self._begin)
+
+    @property
+    def end_s(self) -> float:
+        """The round end's planned cost."""
+        return max(self._end)
 
 
 @dataclass(frozen=True)
