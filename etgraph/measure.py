@@ -565,6 +565,7 @@ def measure_selection_steps_us(
     work_dir: str | os.PathLike | None = None,
     clock: str = "wall",
     group: int = 1,
+    frozen_bn: str = "train",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Measured step times (µs) of training exactly the tensors of each mask.
 
@@ -582,6 +583,9 @@ def measure_selection_steps_us(
         work_dir: where the artifacts go (default: a temporary directory, removed).
         clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
         group: masks per round-robin group (more = fewer full steps, more memory).
+        frozen_bn: how the masks' frozen batch norms run (:func:`etgraph.artifacts.generate`;
+            ``"inference"`` is the training loop's default); the full step trains every batch
+            norm either way.
 
     Returns:
         ``(mask_us float64 [K], full_us float64 [K])``: each mask's step and the full step of
@@ -610,7 +614,11 @@ def measure_selection_steps_us(
         for start in range(0, len(masks), group):
             dirs = [
                 artifacts.generate(
-                    model_b, *model.split(masks[k]), Path(work) / f"m{k}", loss=loss
+                    model_b,
+                    *model.split(masks[k]),
+                    Path(work) / f"m{k}",
+                    loss=loss,
+                    frozen_bn=frozen_bn,
                 ).directory
                 for k in range(start, min(start + group, len(masks)))
             ]
