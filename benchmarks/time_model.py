@@ -300,6 +300,7 @@ def run_model(
                 "clock": profiled.clock,
                 "checks": profiled.checks,
                 "per_mask": rows,
+                "profile": profiled.to_dict(),  # to score other time models on these masks
             }
         )
     return results

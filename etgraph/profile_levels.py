@@ -57,7 +57,11 @@ FAST_QUANTILE = 0.0
 
 
 #: Configurations whose batch norms with frozen gamma and beta run in inference mode.
-_INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference"})
+_INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference", "first_only_inference"})
+
+#: Fast-level configurations timed as steps of baked graphs (frozen parameters constants, as
+#: training sessions run them: :func:`etgraph.artifact_weights.bake_frozen`).
+_BAKED_CONFIGS = ("last_only", "last_only_inference", "first_only_inference")
 
 
 def _configurations(tensors: Sequence[TensorInfo]) -> dict[str, list[int]]:
@@ -171,6 +175,8 @@ def measure_thorough(
         masks["bn_inference"] = selection_mask(n, [i for i in range(n) if i not in bn_tensors])
         if "last_only" in masks:  # the frozen forward in inference mode (baked: fused)
             masks["last_only_inference"] = masks["last_only"]
+            # the frozen layers a gradient passes, in inference mode (baked: fused)
+            masks["first_only_inference"] = masks["first_only"]
     art_dirs = {
         c: cache.get(
             model_b,
@@ -203,8 +209,7 @@ def measure_thorough(
             runners.append(steps["last_only"])
         if "bn_inference" in steps:
             runners += [graphs["bn_inference"], steps["bn_inference"]]
-        if "last_only_inference" in steps:
-            runners.append(steps["last_only_inference"])
+        runners += [steps[c] for c in ("last_only_inference", "first_only_inference") if c in steps]
         round_robin(runners, repeats, warmup)
     except Exception as exc:
         raise ort_error(exc, batch) from exc
@@ -251,6 +256,10 @@ def _fast_configurations(
         if bn_layers:  # the frozen forward of --frozen-bn inference as training runs it: baked
             masks["last_only_inference"] = masks["last_only"]
             frozen_bn["last_only_inference"] = "inference"
+            # and the frozen layers a gradient passes, as training runs them: baked (Conv + BN
+            # + activation fused, frozen Convs blocked), cheaper than first_only's unbaked nodes
+            masks["first_only_inference"] = masks["first_only"]
+            frozen_bn["first_only_inference"] = "inference"
     return masks, frozen_bn
 
 
@@ -258,17 +267,19 @@ def _fast_training_graphs(
     model: LoadedModel, light, full, masks, frozen_bn, weights, work: Path
 ) -> dict:
     """The training graph of each configuration, built in memory from ``light`` (the model
-    without weights); ``full`` is the all-trainable one. The ``last_only`` graphs are saved
-    with their frozen parameters baked in, as training sessions run them."""
+    without weights); ``full`` is the all-trainable one. The graphs of :data:`_BAKED_CONFIGS`
+    are saved with their frozen parameters baked in, as training sessions run them."""
     graphs_in = {"full": full}
     for c, m in masks.items():
-        if c not in graphs_in:
+        if c == "first_only_inference":  # first_only's graph (batch norms in inference mode)
+            graphs_in[c] = graphs_in["first_only"]
+        elif c not in graphs_in:
             graphs_in[c], _ = training_graphs(
                 light, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn.get(c, "train")
             )
-    # The last_only steps as training sessions run them: frozen parameters baked in
+    # These steps as training sessions run them: frozen parameters baked in
     # (etgraph.artifact_weights.bake_frozen); only their step times are used.
-    for c in ("last_only", "last_only_inference"):
+    for c in _BAKED_CONFIGS:
         if c in graphs_in:
             graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")
     return graphs_in

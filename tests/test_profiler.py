@@ -4,6 +4,7 @@ etgraph.measure, etgraph.fold, etgraph.profiler."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -452,6 +453,7 @@ def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
         "last_only",
         "bn_inference",  # every batch norm in inference mode, predicted by for_frozen_bn
         "last_only_inference",  # last_only with batch norms in inference mode (baked: fused)
+        "first_only_inference",  # first_only likewise: frozen layers the gradient passes
     }
     assert 0.0 <= resnet18s_profile.forward_saved_fraction <= 1.0
     moved = np.asarray(resnet18s_profile.inference_forward_moved_us)
@@ -659,13 +661,20 @@ def test_fast_profile_measures_three_graphs_and_both_batch_norm_modes(
     fast = resnet18s_fast_profile
     assert fast.level == "fast" and resnet18s_profile.level == "thorough"
     assert 3 <= fast.repeats <= 10 and fast.warmup == 1  # more rounds when runs disagree
-    # full, first_only (batch norms in inference mode), last_only, and last_only baked with
-    # batch norms in inference mode; no_kernels only splits a conv's bias gradient, and these
-    # convs have none
-    assert set(fast.checks) == {"full", "first_only", "last_only", "last_only_inference"}
-    assert fast.checks["first_only"]["frozen_bn"] == "inference"
-    assert fast.checks["last_only_inference"]["frozen_bn"] == "inference"
+    # full, first_only (batch norms in inference mode), last_only, and last_only and first_only
+    # baked with batch norms in inference mode; no_kernels only splits a conv's bias gradient,
+    # and these convs have none
+    assert set(fast.checks) == {
+        "full",
+        "first_only",
+        "last_only",
+        "last_only_inference",
+        "first_only_inference",
+    }
+    for c in ("first_only", "last_only_inference", "first_only_inference"):
+        assert fast.checks[c]["frozen_bn"] == "inference"
     assert len(fast.inference_forward_moved_us) == len(fast.tensors)
+    assert len(fast.inference_path_moved_us) == len(fast.tensors)
     # every batch norm but one of tensor 0 has both modes measured
     bn_tensors = {r["gamma"] for r in resnet18s_profile.batch_norms}
     assert {r["gamma"] for r in fast.batch_norms} == bn_tensors - {0}
@@ -795,3 +804,74 @@ def test_conv_grad_of_a_computed_kernel_or_shared_bias_is_charged(tmp_path):
     kinds = dict(zip(prof.tensors, prof.kinds, strict=True))
     assert kinds["b"] == "bias" and {kinds["v"], kinds["g"]} == {"kernel"}
     assert all(prof.t_dw_us > 0)
+
+
+# ---- frozen layers on the gradient path (issue 30) ----
+
+
+@pytest.fixture(scope="module")
+def tiny_depthwise_model(tmp_path_factory) -> LoadedModel:
+    """A MobileNetV2-style net small enough for tests: conv-BN-ReLU6, three inverted residual
+    blocks (1x1 expand, 3x3 depthwise, 1x1 project, BN), pool, linear head (3x32x32 -> 10)."""
+    import torch
+    from torch import nn
+
+    from models.export import export_onnx
+    from models.zoo import InvertedResidual, conv_bn_relu6
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        conv_bn_relu6(3, 16, 3, 2),
+        InvertedResidual(16, 16, 1, 4),
+        InvertedResidual(16, 24, 2, 4),
+        InvertedResidual(24, 24, 1, 4),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(24, 10),
+    )
+    path = tmp_path_factory.mktemp("depthwise") / "depthwise.onnx"
+    return LoadedModel.load(export_onnx(net, path, input_shape=(3, 32, 32)))
+
+
+@pytest.mark.slow
+def test_frozen_layers_the_gradient_passes_are_charged_as_training_runs_them(
+    tiny_depthwise_model,
+):
+    """Issue 30: training sessions bake frozen parameters, so a frozen layer the gradient passes
+    runs fused (Conv + BN + ReLU6, blocked depthwise convs) and cheaper than the profile's
+    unbaked nodes. The fast level times the first_only selection baked and charges that saving
+    to the layers' tensors (``inference_path_moved_us``): selections with many frozen layers
+    after their earliest tensor are then predicted as they run, in the loop's batch-norm mode."""
+    model = tiny_depthwise_model
+    n = len(model.tensors)
+    prof = profile_model(model, batch_size=16, threads=THREADS, clock=CLOCK)
+    assert prof.checks["first_only_inference"]["frozen_bn"] == "inference"
+    assert len(prof.inference_path_moved_us) == n and sum(prof.inference_path_moved_us) > 0
+    masks = np.zeros((3, n), dtype=bool)
+    masks[0, [0, n - 2, n - 1]] = True  # the first kernel and the head: every layer passed
+    masks[1, ::3] = True  # scattered, as top-k selects
+    masks[2, n // 2 :] = True  # a prefix of the backward pass: nothing frozen after it
+    measured, full = measure_selection_steps_us(
+        model,
+        masks,
+        batch_size=16,
+        threads=THREADS,
+        repeats=10,
+        warmup=WARMUP,
+        clock=CLOCK,
+        group=3,
+        frozen_bn="inference",
+    )
+    ratio = measured / full
+
+    def errors(p: Profile) -> np.ndarray:
+        predicted = np.array([p.predicted_step_us(m) for m in masks]) / p.t_full_us
+        return predicted / ratio - 1.0
+
+    now = errors(prof.for_frozen_bn("inference"))
+    before = errors(
+        dataclasses.replace(prof, inference_path_moved_us=[]).for_frozen_bn("inference")
+    )
+    print("ratio error now", now, "without the baked path", before)
+    assert np.abs(now).max() < 0.2
+    assert np.abs(now[:2]).mean() < np.abs(before[:2]).mean()
