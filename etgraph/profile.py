@@ -107,6 +107,10 @@ class Profile:
             it (:func:`etgraph.fold.saved_forward_fraction`); that share is on ``t_dy_us`` of the
             layer's anchor tensor, the rest in ``forward_pass_us``.
         repeats, warmup: runs per measurement.
+        reproduced: fast level: whether two of its rounds took the same wall time (within
+            ``etgraph.profile_levels.REPRODUCED_TOLERANCE``); False: other work stretched every
+            round, the shape of the model may be off, and the profile is not cached. None: not
+            checked (thorough level, or a profile from before this field).
         profiling_s: wall time the profiling took, s.
         load_average: the machine's 1-minute load average when profiling ended (None: not
             recorded); a busy machine inflates every time.
@@ -158,6 +162,7 @@ class Profile:
     forward_saved_fraction: float = 0.0
     repeats: int = 0
     warmup: int = 0
+    reproduced: bool | None = None
     profiling_s: float = 0.0
     load_average: float | None = None
     checks: dict = field(default_factory=dict)

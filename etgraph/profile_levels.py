@@ -59,10 +59,6 @@ FAST_QUANTILE = 0.0
 #: Configurations whose batch norms with frozen gamma and beta run in inference mode.
 _INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference", "first_only_inference"})
 
-#: Fast-level configurations timed as steps of baked graphs (frozen parameters constants, as
-#: training sessions run them: :func:`etgraph.artifact_weights.bake_frozen`).
-_BAKED_CONFIGS = ("last_only", "last_only_inference", "first_only_inference")
-
 
 def _configurations(tensors: Sequence[TensorInfo]) -> dict[str, list[int]]:
     """Sets of trainable tensor indices to profile: ``full``, ``no_kernels`` (when the model
@@ -116,6 +112,8 @@ class Measured:
         trace_us: what ORT's per-node trace adds to a run, µs per node (fast level; 0 when
             steps are timed by the training API).
         repeats: measured rounds when more than asked were run (fast level), else None.
+        reproduced: whether two rounds' wall times agreed within :data:`REPRODUCED_TOLERANCE`
+            (fast level), else None (not checked).
     """
 
     masks: dict[str, np.ndarray]
@@ -128,6 +126,7 @@ class Measured:
     full_training_model: object
     trace_us: float = 0.0
     repeats: int | None = None
+    reproduced: bool | None = None
 
 
 def ort_error(exc: Exception, batch: Batch) -> Exception:
@@ -256,10 +255,6 @@ def _fast_configurations(
         if bn_layers:  # the frozen forward of --frozen-bn inference as training runs it: baked
             masks["last_only_inference"] = masks["last_only"]
             frozen_bn["last_only_inference"] = "inference"
-            # and the frozen layers a gradient passes, as training runs them: baked (Conv + BN
-            # + activation fused, frozen Convs blocked), cheaper than first_only's unbaked nodes
-            masks["first_only_inference"] = masks["first_only"]
-            frozen_bn["first_only_inference"] = "inference"
     return masks, frozen_bn
 
 
@@ -267,19 +262,24 @@ def _fast_training_graphs(
     model: LoadedModel, light, full, masks, frozen_bn, weights, work: Path
 ) -> dict:
     """The training graph of each configuration, built in memory from ``light`` (the model
-    without weights); ``full`` is the all-trainable one. The graphs of :data:`_BAKED_CONFIGS`
-    are saved with their frozen parameters baked in, as training sessions run them."""
+    without weights); ``full`` is the all-trainable one. The ``last_only`` graphs, and
+    ``first_only`` in inference mode, are saved with their frozen parameters baked in, as
+    training sessions run them."""
     graphs_in = {"full": full}
     for c, m in masks.items():
-        if c == "first_only_inference":  # first_only's graph (batch norms in inference mode)
-            graphs_in[c] = graphs_in["first_only"]
-        elif c not in graphs_in:
+        if c not in graphs_in:
             graphs_in[c], _ = training_graphs(
                 light, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn.get(c, "train")
             )
-    # These steps as training sessions run them: frozen parameters baked in
-    # (etgraph.artifact_weights.bake_frozen); only their step times are used.
-    for c in _BAKED_CONFIGS:
+    # As training sessions run them: frozen parameters baked in
+    # (etgraph.artifact_weights.bake_frozen). The last_only graphs' nodes fuse (their steps
+    # only are used); in first_only's (batch norms in inference mode) the backward nodes keep
+    # their names (the ConvGrad split and the batch norms' inference backward read them) and
+    # the frozen layers' forward fuses as it does in training (profiler step 6).
+    baked = ["last_only", "last_only_inference"]
+    if frozen_bn.get("first_only") == "inference":
+        baked.append("first_only")
+    for c in baked:
         if c in graphs_in:
             graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")
     return graphs_in
@@ -334,18 +334,21 @@ def measure_fast(
             work_dir=work,
             zeros={},  # not the graphs' buffers: those hold gradients after a run
         )
+
         # Until a round's wall time (every graph once; the clock of the kernel times) is
         # reproduced: a loaded machine gets more rounds.
+        def rounds_agree() -> bool:
+            walls = zip(*(g.wall[warmup:] for g in graphs.values()), strict=True)
+            return reproduced([sum(r) for r in walls], REPRODUCED_TOLERANCE)
+
         measured_rounds = round_robin(
             [*graphs.values(), optimizer],
             repeats,
             warmup,
-            until=lambda: reproduced(
-                [sum(r) for r in zip(*(g.wall[warmup:] for g in graphs.values()), strict=True)],
-                REPRODUCED_TOLERANCE,
-            ),
+            until=rounds_agree,
             max_repeats=max(repeats, FAST_MAX_REPEATS),
         )
+        agreed = rounds_agree()
     except Exception as exc:
         raise ort_error(exc, batch) from exc
     # Every graph's result (it reads the trace); the baked one's nodes are fused: its step only.
@@ -377,4 +380,5 @@ def measure_fast(
         full_training_model=full,
         trace_us=trace_us,
         repeats=measured_rounds,
+        reproduced=agreed,
     )
