@@ -893,3 +893,20 @@ def test_profile_whose_rounds_never_agree_is_not_cached(
     monkeypatch.setattr(profile_levels, "reproduced", lambda times, tolerance: True)
     prof = profile_model(tiny_cnn_model, threads=THREADS, clock=CLOCK, cache_dir=tmp_path)
     assert prof.reproduced is True and len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_paired_ratio_cancels_the_machines_speed_between_rounds():
+    """Issue 30: a shared machine's speed changed by 1.5x between rounds; the ratio of two
+    runners stepped round robin is taken round by round, so a slow round slows both."""
+    from etgraph.measure import paired_ratio
+
+    speed = np.array([1.0, 1.0, 1.5, 1.0, 1.6, 1.4])  # per round; round 0 is warm-up
+    mask, full = 0.4 * speed, 1.0 * speed
+    mask[3] *= 1.2  # one disturbed step of the mask
+    assert paired_ratio(mask, full, warmup=1) == pytest.approx(0.4)
+    # the full steps' fast rounds disturbed: separate low quantiles put the mask at 0.31
+    full[[1, 3]] *= 1.5
+    assert robust_time(mask[1:]) / robust_time(full[1:]) < 0.35
+    assert paired_ratio(mask, full, warmup=1) == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0], warmup=1)
