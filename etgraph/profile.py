@@ -58,9 +58,9 @@ _LEGACY_INPUT = "input"
 
 #: Version of the measurement method in :func:`profile_key`. Bumped when what is measured
 #: changes (format 3: no spinning; 4: batch norms also measured in inference mode,
-#: ``batch_norms``; 5: sessions bake frozen parameters, ``last_only_inference``; 6:
-#: ``first_only_inference``, ``inference_path_moved_us``), not for JSON renames: a cached
-#: format-3 profile measured the same way still hits.
+#: ``batch_norms``; 5: sessions bake frozen parameters, ``last_only_inference``; 6: the
+#: first_only selection timed baked in inference mode, ``inference_path_moved_us``), not for
+#: JSON renames: a cached format-3 profile measured the same way still hits.
 _METHOD_VERSION = 6
 
 
@@ -130,8 +130,9 @@ class Profile:
             layer's Conv + BN + activation fuse in baked graphs); applied by
             :meth:`for_frozen_bn`.
         inference_path_moved_us: float [N] µs (or empty): forward time moved from ``t_dy_us``
-            to ``t_dw_us`` per anchor tensor in inference mode, measured with the
-            ``first_only_inference`` configuration: a frozen layer the gradient passes runs
+            to ``t_dw_us`` per anchor tensor in inference mode, measured with the first_only
+            selection baked in inference mode (the fast level's ``first_only``, the thorough
+            level's ``first_only_inference``): a frozen layer the gradient passes runs
             baked (Conv + BN + activation fused, frozen Convs blocked), so its forward costs
             its training-mode time only when one of its tensors trains; applied by
             :meth:`for_frozen_bn`.
