@@ -57,6 +57,7 @@ __all__ = [
     "measure_node_overhead_us",
     "measure_selection_steps_us",
     "measure_train_steps_us",
+    "paired_ratio",
     "random_batch",
     "reproduced",
     "robust_time",
@@ -553,6 +554,23 @@ def measure_train_steps_us(
     return [r.result(warmup) for r in runners]
 
 
+def paired_ratio(times, reference, warmup: int) -> float:
+    """Median over rounds of ``times[i] / reference[i]`` after ``warmup`` rounds: the ratio of
+    two runners stepped round robin (:func:`round_robin`), each round's pair measured at the
+    machine's speed of that round.
+
+    Args:
+        times, reference: per-round times of the two runners (same length, same unit).
+
+    Raises:
+        ValueError: no round after ``warmup``, or a non-positive reference time.
+    """
+    pairs = list(zip(times, reference, strict=True))[warmup:]
+    if not pairs or any(r <= 0 for _, r in pairs):
+        raise ValueError("paired_ratio needs rounds with positive reference times")
+    return float(np.median([t / r for t, r in pairs]))
+
+
 def measure_selection_steps_us(
     model: LoadedModel,
     masks,
@@ -565,15 +583,16 @@ def measure_selection_steps_us(
     work_dir: str | os.PathLike | None = None,
     clock: str = "wall",
     group: int = 1,
+    frozen_bn: str = "train",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Measured step times (µs) of training exactly the tensors of each mask.
 
     For each mask, artifacts are generated (``requires_grad`` = selected tensors; the others and
     the BatchNorm running statistics frozen, :meth:`LoadedModel.split`); groups of ``group``
-    masks are stepped round-robin with the full-training artifacts
-    (:func:`measure_train_steps_us`), so each mask also gets a full step measured under the same
-    machine load. This is the ground truth :func:`etgraph.timing.step_us` is validated against
-    (tests, ``benchmarks/time_model.py``).
+    masks are stepped round-robin with the full-training artifacts (:class:`TrainStep`, as
+    :func:`measure_train_steps_us` does), so each mask also gets a full step measured under the
+    same machine load, round by round. This is the ground truth :func:`etgraph.timing.step_us`
+    is validated against (tests, ``benchmarks/time_model.py``).
 
     Args:
         model: the loaded model. masks: bool [K, N], forward order, no empty row.
@@ -582,10 +601,16 @@ def measure_selection_steps_us(
         work_dir: where the artifacts go (default: a temporary directory, removed).
         clock: ``"wall"`` or ``"cpu"`` (:func:`step_clock`).
         group: masks per round-robin group (more = fewer full steps, more memory).
+        frozen_bn: how the masks' frozen batch norms run (:func:`etgraph.artifacts.generate`;
+            ``"inference"`` is the training loop's default); the full step trains every batch
+            norm either way.
 
     Returns:
-        ``(mask_us float64 [K], full_us float64 [K])``: each mask's step and the full step of
-        its group.
+        ``(mask_us float64 [K], full_us float64 [K])``: each mask's step (:func:`robust_time`)
+        and the full step at the ratio measured round by round: ``mask_us / full_us`` is
+        :func:`paired_ratio` of the mask's and the full steps (a change of the machine's speed
+        between rounds cancels; the group's full steps alone moved by 1.5x between groups of
+        one run on a shared 2-core machine, issue 30).
 
     Raises:
         ConfigError: a mask is empty or has the wrong length; bad input shape or clock.
@@ -610,20 +635,20 @@ def measure_selection_steps_us(
         for start in range(0, len(masks), group):
             dirs = [
                 artifacts.generate(
-                    model_b, *model.split(masks[k]), Path(work) / f"m{k}", loss=loss
+                    model_b,
+                    *model.split(masks[k]),
+                    Path(work) / f"m{k}",
+                    loss=loss,
+                    frozen_bn=frozen_bn,
                 ).directory
                 for k in range(start, min(start + group, len(masks)))
             ]
-            times = measure_train_steps_us(
-                [*dirs, full_dir],
-                batch,
-                threads=threads,
-                repeats=repeats,
-                warmup=warmup,
-                clock=clock,
-            )
-            mask_us[start : start + len(dirs)] = times[:-1]
-            full_us[start : start + len(dirs)] = times[-1]
+            runners = [TrainStep(d, batch, threads=threads, clock=clock) for d in dirs]
+            full = TrainStep(full_dir, batch, threads=threads, clock=clock)
+            round_robin([*runners, full], repeats, warmup)
+            for k, runner in enumerate(runners, start=start):
+                mask_us[k] = runner.result(warmup)
+                full_us[k] = mask_us[k] / paired_ratio(runner.times, full.times, warmup)
             log.info("selections %d-%d measured", start, start + len(dirs) - 1)
             for d in dirs:
                 shutil.rmtree(d, ignore_errors=True)

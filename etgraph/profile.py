@@ -58,10 +58,10 @@ _LEGACY_INPUT = "input"
 
 #: Version of the measurement method in :func:`profile_key`. Bumped when what is measured
 #: changes (format 3: no spinning; 4: batch norms also measured in inference mode,
-#: ``batch_norms``; 5: sessions bake frozen parameters, ``last_only_inference``), not for JSON
-#: renames: a cached format-3 profile measured the same way
-#: still hits.
-_METHOD_VERSION = 5
+#: ``batch_norms``; 5: sessions bake frozen parameters, ``last_only_inference``; 6: the
+#: first_only selection timed baked in inference mode, ``inference_path_moved_us``), not for
+#: JSON renames: a cached format-3 profile measured the same way still hits.
+_METHOD_VERSION = 6
 
 
 @dataclass
@@ -107,6 +107,10 @@ class Profile:
             it (:func:`etgraph.fold.saved_forward_fraction`); that share is on ``t_dy_us`` of the
             layer's anchor tensor, the rest in ``forward_pass_us``.
         repeats, warmup: runs per measurement.
+        reproduced: fast level: whether two of its rounds took the same wall time (within
+            ``etgraph.profile_levels.REPRODUCED_TOLERANCE``); False: other work stretched every
+            round, the shape of the model may be off, and the profile is not cached. None: not
+            checked (thorough level, or a profile from before this field).
         profiling_s: wall time the profiling took, s.
         load_average: the machine's 1-minute load average when profiling ended (None: not
             recorded); a busy machine inflates every time.
@@ -124,6 +128,13 @@ class Profile:
             ``forward_us`` to ``t_dy_us`` per anchor tensor in inference mode on top of
             training mode's, measured with the ``last_only_inference`` configuration (a frozen
             layer's Conv + BN + activation fuse in baked graphs); applied by
+            :meth:`for_frozen_bn`.
+        inference_path_moved_us: float [N] µs (or empty): forward time moved from ``t_dy_us``
+            to ``t_dw_us`` per anchor tensor in inference mode, measured with the first_only
+            selection baked in inference mode (the fast level's ``first_only``, the thorough
+            level's ``first_only_inference``): a frozen layer the gradient passes runs
+            baked (Conv + BN + activation fused, frozen Convs blocked), so its forward costs
+            its training-mode time only when one of its tensors trains; applied by
             :meth:`for_frozen_bn`.
     """
 
@@ -152,6 +163,7 @@ class Profile:
     forward_saved_fraction: float = 0.0
     repeats: int = 0
     warmup: int = 0
+    reproduced: bool | None = None
     profiling_s: float = 0.0
     load_average: float | None = None
     checks: dict = field(default_factory=dict)
@@ -159,6 +171,7 @@ class Profile:
     branches: list = field(default_factory=list)
     batch_norms: list = field(default_factory=list)
     inference_forward_moved_us: list = field(default_factory=list)
+    inference_path_moved_us: list = field(default_factory=list)
     #: Where this profile was read from the cache (not saved; None: measured now or loaded).
     cached_from: str | None = field(default=None, compare=False)
 
@@ -355,7 +368,9 @@ class Profile:
           layer puts it back in training mode.
 
         Then :attr:`inference_forward_moved_us` (when measured) moves forward time to
-        ``t_dy_us`` per anchor (paid iff the gradient passes that layer). Exact when both or
+        ``t_dy_us`` per anchor (paid iff the gradient passes that layer), and
+        :attr:`inference_path_moved_us` moves forward time from ``t_dy_us`` to ``t_dw_us``
+        per anchor (paid iff the anchor tensor trains). Exact when both or
         neither of ``g`` and ``b`` are selected, and ``T_full`` (every
         tensor selected, every batch norm in training mode) is unchanged, so the budget
         ``rho * T_full`` is the same in both modes; when exactly one is selected the
@@ -394,6 +409,10 @@ class Profile:
             moved = np.asarray(self.inference_forward_moved_us, dtype=np.float64)
             t_dy += moved
             forward -= float(moved.sum())
+        if len(self.inference_path_moved_us) == len(t_dy):
+            moved = np.asarray(self.inference_path_moved_us, dtype=np.float64)
+            t_dy -= moved
+            t_dw += moved
         clamped = float(np.maximum(-t_dw, 0.0).sum() + np.maximum(-t_dy, 0.0).sum())
         return dataclasses.replace(
             self,
@@ -403,6 +422,7 @@ class Profile:
             branches=branches,
             batch_norms=[],
             inference_forward_moved_us=[],
+            inference_path_moved_us=[],
         )
 
 

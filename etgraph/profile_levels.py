@@ -57,7 +57,7 @@ FAST_QUANTILE = 0.0
 
 
 #: Configurations whose batch norms with frozen gamma and beta run in inference mode.
-_INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference"})
+_INFERENCE_CONFIGS = frozenset({"bn_inference", "last_only_inference", "first_only_inference"})
 
 
 def _configurations(tensors: Sequence[TensorInfo]) -> dict[str, list[int]]:
@@ -112,6 +112,8 @@ class Measured:
         trace_us: what ORT's per-node trace adds to a run, µs per node (fast level; 0 when
             steps are timed by the training API).
         repeats: measured rounds when more than asked were run (fast level), else None.
+        reproduced: whether two rounds' wall times agreed within :data:`REPRODUCED_TOLERANCE`
+            (fast level), else None (not checked).
     """
 
     masks: dict[str, np.ndarray]
@@ -124,6 +126,7 @@ class Measured:
     full_training_model: object
     trace_us: float = 0.0
     repeats: int | None = None
+    reproduced: bool | None = None
 
 
 def ort_error(exc: Exception, batch: Batch) -> Exception:
@@ -171,6 +174,8 @@ def measure_thorough(
         masks["bn_inference"] = selection_mask(n, [i for i in range(n) if i not in bn_tensors])
         if "last_only" in masks:  # the frozen forward in inference mode (baked: fused)
             masks["last_only_inference"] = masks["last_only"]
+            # the frozen layers a gradient passes, in inference mode (baked: fused)
+            masks["first_only_inference"] = masks["first_only"]
     art_dirs = {
         c: cache.get(
             model_b,
@@ -203,8 +208,7 @@ def measure_thorough(
             runners.append(steps["last_only"])
         if "bn_inference" in steps:
             runners += [graphs["bn_inference"], steps["bn_inference"]]
-        if "last_only_inference" in steps:
-            runners.append(steps["last_only_inference"])
+        runners += [steps[c] for c in ("last_only_inference", "first_only_inference") if c in steps]
         round_robin(runners, repeats, warmup)
     except Exception as exc:
         raise ort_error(exc, batch) from exc
@@ -258,17 +262,24 @@ def _fast_training_graphs(
     model: LoadedModel, light, full, masks, frozen_bn, weights, work: Path
 ) -> dict:
     """The training graph of each configuration, built in memory from ``light`` (the model
-    without weights); ``full`` is the all-trainable one. The ``last_only`` graphs are saved
-    with their frozen parameters baked in, as training sessions run them."""
+    without weights); ``full`` is the all-trainable one. The ``last_only`` graphs, and
+    ``first_only`` in inference mode, are saved with their frozen parameters baked in, as
+    training sessions run them."""
     graphs_in = {"full": full}
     for c, m in masks.items():
         if c not in graphs_in:
             graphs_in[c], _ = training_graphs(
                 light, *model.split(m), loss=model.task.loss, frozen_bn=frozen_bn.get(c, "train")
             )
-    # The last_only steps as training sessions run them: frozen parameters baked in
-    # (etgraph.artifact_weights.bake_frozen); only their step times are used.
-    for c in ("last_only", "last_only_inference"):
+    # As training sessions run them: frozen parameters baked in
+    # (etgraph.artifact_weights.bake_frozen). The last_only graphs' nodes fuse (their steps
+    # only are used); in first_only's (batch norms in inference mode) the backward nodes keep
+    # their names (the ConvGrad split and the batch norms' inference backward read them) and
+    # the frozen layers' forward fuses as it does in training (profiler step 6).
+    baked = ["last_only", "last_only_inference"]
+    if frozen_bn.get("first_only") == "inference":
+        baked.append("first_only")
+    for c in baked:
         if c in graphs_in:
             graphs_in[c] = save_baked(graphs_in[c], weights, work / f"{c}_baked.onnx")
     return graphs_in
@@ -323,18 +334,21 @@ def measure_fast(
             work_dir=work,
             zeros={},  # not the graphs' buffers: those hold gradients after a run
         )
+
         # Until a round's wall time (every graph once; the clock of the kernel times) is
         # reproduced: a loaded machine gets more rounds.
+        def rounds_agree() -> bool:
+            walls = zip(*(g.wall[warmup:] for g in graphs.values()), strict=True)
+            return reproduced([sum(r) for r in walls], REPRODUCED_TOLERANCE)
+
         measured_rounds = round_robin(
             [*graphs.values(), optimizer],
             repeats,
             warmup,
-            until=lambda: reproduced(
-                [sum(r) for r in zip(*(g.wall[warmup:] for g in graphs.values()), strict=True)],
-                REPRODUCED_TOLERANCE,
-            ),
+            until=rounds_agree,
             max_repeats=max(repeats, FAST_MAX_REPEATS),
         )
+        agreed = rounds_agree()
     except Exception as exc:
         raise ort_error(exc, batch) from exc
     # Every graph's result (it reads the trace); the baked one's nodes are fused: its step only.
@@ -366,4 +380,5 @@ def measure_fast(
         full_training_model=full,
         trace_us=trace_us,
         repeats=measured_rounds,
+        reproduced=agreed,
     )

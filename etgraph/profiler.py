@@ -60,7 +60,15 @@ measured times into the time model in :mod:`etgraph.fold`:
    batch norms in inference mode the frozen forward is fused further (Conv + BN + activation):
    ``last_only_inference`` (the same mask, ``--frozen-bn inference``) is timed too, and what
    the inference time model does not explain of it is spread over the anchors likewise
-   (``Profile.inference_forward_moved_us``, applied by ``Profile.for_frozen_bn``).
+   (``Profile.inference_forward_moved_us``, applied by ``Profile.for_frozen_bn``). A frozen
+   layer the gradient still *passes* runs baked as well, and faster than the profile's
+   unbaked nodes (issue 30: MobileNetV2's top-k and DP selections were over-predicted by up
+   to 30%): ``first_only_inference`` (the ``first_only`` mask baked, ``--frozen-bn
+   inference``: every layer but the first frozen and passed; at the fast level ``first_only``
+   itself is baked) is timed, and what the inference
+   model does not explain of it, as a share of the forward time per anchor, moves from
+   ``t_dy_us`` to ``t_dw_us`` of the anchor (``Profile.inference_path_moved_us``): a layer's
+   forward costs its training-mode time only when its tensor trains.
 
 ``forward_us`` is therefore the selection-independent part of a step: forward pass and loss
 (``forward_pass_us``, less the moved share) + optimizer fixed cost + ``step_overhead_us``.
@@ -81,8 +89,10 @@ model (which tensors cost what), and that comes from the same per-node measureme
 * configurations ``full``, ``first_only`` — built with every batch norm in inference mode when
   the model has batch norms, so one graph splits the fused ConvGrad nodes (dX alone) AND
   measures each batch norm's inference mode (a batch norm of tensor 0 stays in training mode
-  and out of ``Profile.batch_norms``) — ``last_only`` (the saved-forward share), and
-  ``no_kernels`` only when a fused node also computes a bias gradient (dB apart from dX);
+  and out of ``Profile.batch_norms``; baked, as training runs it, step 6: its backward nodes
+  keep their names) — ``last_only`` (the saved-forward share), with batch norms
+  ``last_only_inference`` (baked, step 6; its step only), and ``no_kernels`` only when a fused
+  node also computes a bias gradient (dB apart from dX);
 * the optimizer on four subsets (:func:`etgraph.fold.optimizer_subsets` ``fast``);
 * 1 warm-up and 3 measured rounds, then more, one at a time, until two rounds (every graph
   run once) took the same wall time within :data:`REPRODUCED_TOLERANCE` (up to
@@ -128,6 +138,7 @@ from .memory import check_step_fits
 from .model import LoadedModel
 from .profile import Profile, profile_key
 from .profile_levels import (
+    REPRODUCED_TOLERANCE,
     Measured,
     batch_norm_layers,
     measure_fast,
@@ -276,7 +287,18 @@ def profile_model(
         prof.load_average,
     )
     _warn_if_loaded(prof.load_average, threads)
-    if cache_path is not None:
+    if cache_path is not None and prof.reproduced is False:
+        # Issue 30: a profile measured while other work stretched its runs has the wrong
+        # shape (MobileNetV2 at load 6: late kernels' t_dw 15x too high), and from the cache it
+        # would serve every later run, on a quiet machine too.
+        log.warning(
+            "profile not cached: no two of its %d rounds took the same time within %.0f%% "
+            "(load average %s); later runs profile again",
+            prof.repeats,
+            100 * REPRODUCED_TOLERANCE,
+            prof.load_average,
+        )
+    elif cache_path is not None:
         prof.save(cache_path)
     return prof
 
@@ -481,6 +503,7 @@ def fold(
         step_overhead_us=float(step_overhead),
         forward_saved_fraction=float(forward_saved),
         repeats=int(measured.repeats or repeats),
+        reproduced=measured.reproduced,
         warmup=int(warmup),
         load_average=_load_average(),
         checks=checks,
@@ -540,9 +563,14 @@ def _checks(masks, steps, t_dw, t_dy, forward_us: float, branches) -> dict[str, 
     }
 
 
+#: The configurations that time first_only baked in inference mode (profiler step 6).
+_PATH_CONFIGS = ("first_only_inference", "first_only")
+
+
 def _inference_mode(prof: Profile, masks, steps, frozen_bn, by_anchor, forward_saved) -> None:
     """The inference-mode part of ``prof`` (``--frozen-bn inference``, module docstring step 6),
     and the checks of the steps measured in that mode."""
+    extra = 0.0
     if "last_only_inference" in steps:
         # What the per-node inference deltas do not explain of the frozen forward in inference
         # mode (sessions bake frozen weights: ORT fuses Conv + BN + activation there), moved
@@ -555,6 +583,20 @@ def _inference_mode(prof: Profile, masks, steps, frozen_bn, by_anchor, forward_s
         if skipped > 0:
             extra = float(np.clip(residual / skipped, -forward_saved, 1.0 - forward_saved))
             prof.inference_forward_moved_us = [float(v) for v in extra * by_anchor]
+    # first_only baked with batch norms in inference mode: its own configuration at the
+    # thorough level, the fast level's first_only itself
+    path = next((c for c in _PATH_CONFIGS if frozen_bn.get(c) == "inference"), None)
+    if path is not None and path in steps:
+        # A frozen layer the gradient passes runs baked too (its forward fused as far as the
+        # backward lets it): what the model does not explain of the first_only step baked (every
+        # layer but the first frozen and on the gradient path) is the forward a layer pays only
+        # when one of its tensors trains, moved per anchor from t_dy to t_dw
+        # (inference_path_moved_us), at most the share moved to t_dy above.
+        residual = prof.for_frozen_bn("inference").predicted_step_us(masks[path]) - steps[path]
+        on_path = by_anchor[1:].sum()
+        if on_path > 0:
+            share = float(np.clip(residual / on_path, 0.0, max(0.0, forward_saved + extra)))
+            prof.inference_path_moved_us = [float(v) for v in share * by_anchor]
     inference = prof.for_frozen_bn("inference")
     for c, mode in frozen_bn.items():  # steps measured with batch norms in inference
         prof.checks[c]["frozen_bn"] = mode

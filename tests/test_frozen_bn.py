@@ -4,6 +4,8 @@ training step in both modes, and their exact carry across re-selection."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -274,6 +276,34 @@ def test_time_model_of_inference_mode_keeps_t_full_when_it_clamps():
     inference = train.for_frozen_bn("inference")
     assert inference.t_dw_us.min() >= 0 and inference.t_dy_us.min() >= 0
     assert inference.t_full_us == pytest.approx(train.t_full_us)
+
+
+def test_time_model_of_inference_mode_charges_a_frozen_layers_saving_to_its_tensor(tmp_path):
+    """A frozen layer the gradient passes runs baked (Conv + BN + activation fused), so in
+    inference mode its forward costs its training-mode time only when its tensor trains: the
+    measured saving (``inference_path_moved_us``, 6 µs on the kernel t3) moves from ``t_dy`` to
+    ``t_dw`` of that tensor. Issue 30: without it, selections with many frozen layers after their
+    earliest tensor (the DP's, top-k's) were over-predicted by up to 30% on MobileNetV2."""
+    from etgraph.profile import Profile
+
+    row = {"node": "bn", "gamma": 1, "beta": 2, "train_dy_us": 30.0, "inference_dy_us": 12.0}
+    row |= {"train_forward_us": 25.0, "inference_forward_us": 15.0, "gap": None}
+    before = _profile([row])
+    prof = dataclasses.replace(before, inference_path_moved_us=[0.0, 0.0, 0.0, 6.0, 0.0])
+    inference, plain = prof.for_frozen_bn("inference"), before.for_frozen_bn("inference")
+    assert inference.t_full_us == pytest.approx(plain.t_full_us)  # the budget is unchanged
+
+    def step(model, *selected):
+        mask = np.zeros(5, dtype=bool)
+        mask[list(selected)] = True
+        return model.predicted_step_us(mask)
+
+    assert step(inference, 0, 4) == pytest.approx(step(plain, 0, 4) - 6.0)  # t3 frozen, passed
+    assert step(inference, 0, 3) == pytest.approx(step(plain, 0, 3))  # t3 trains
+    assert step(inference, 4) == pytest.approx(step(plain, 4))  # no gradient reaches t3
+    assert prof.for_frozen_bn("train") is prof  # training mode: as profiled
+    back = Profile.load(prof.save(tmp_path / "p.json"))
+    assert back.inference_path_moved_us == [0.0, 0.0, 0.0, 6.0, 0.0]
 
 
 def test_profile_json_round_trips_batch_norm_rows(tmp_path):

@@ -4,6 +4,7 @@ etgraph.measure, etgraph.fold, etgraph.profiler."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -15,7 +16,7 @@ import pytest
 from helpers import make_model, random_initializer, save_model
 from onnx import TensorProto, helper
 
-from etgraph import artifact_weights, artifacts, graph, onnx_io, timing
+from etgraph import artifact_weights, artifacts, graph, onnx_io, profiler, timing
 from etgraph.artifacts import ArtifactCache
 from etgraph.errors import ConfigError, ProfileMismatchError
 from etgraph.fold import (
@@ -252,10 +253,11 @@ def test_profile_json_formats_5_4_and_3_still_load(tmp_path):
 
 
 def test_profile_key_of_thorough_unchanged_fast_differs():
-    """The thorough level's key text is the one format 5 used (method version 5: a profile of
-    that method still hits); fast has its own."""
+    """The thorough level's key text is the one format 5 used, at the method version (6: the
+    frozen layers a gradient passes timed baked, issue 30; a profile of an older method misses);
+    fast has its own."""
     shapes = {"input": (3, 32, 32)}
-    text = "abc|3x32x32|4|1|wall|v5"
+    text = "abc|3x32x32|4|1|wall|v6"
     assert profile_key("abc", shapes, 4, 1) == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert profile_key("abc", shapes, 4, 1, level="thorough") == profile_key("abc", shapes, 4, 1)
     assert profile_key("abc", shapes, 4, 1, level="fast") != profile_key("abc", shapes, 4, 1)
@@ -452,6 +454,7 @@ def test_profile_checks_predict_profiled_configurations(resnet18s_profile):
         "last_only",
         "bn_inference",  # every batch norm in inference mode, predicted by for_frozen_bn
         "last_only_inference",  # last_only with batch norms in inference mode (baked: fused)
+        "first_only_inference",  # first_only likewise: frozen layers the gradient passes
     }
     assert 0.0 <= resnet18s_profile.forward_saved_fraction <= 1.0
     moved = np.asarray(resnet18s_profile.inference_forward_moved_us)
@@ -525,12 +528,15 @@ def test_profile_reuses_the_callers_graph_and_artifacts(tiny_cnn_model, tmp_path
         return build(*args, **kwargs)
 
     monkeypatch.setattr(graph, "build_tensor_graph", counting_build)
+    # the isolation check's own two selections (once per process and model) are not counted
+    monkeypatch.setattr(profiler, "check_sessions", lambda *args, **kwargs: None)
     kwargs = dict(level="thorough", repeats=2, warmup=1, threads=THREADS, clock=CLOCK)
     prof = profile_model(model, tensor_graph=tensor_graph, artifact_cache=cache, **kwargs)
     assert builds == []  # the caller's graph is used
     assert (full.directory, True) in hits  # the full configuration's artifacts are reused
-    # full, no_kernels, first_only, last_only, bn_inference, last_only_inference
-    assert len(hits) == len(prof.checks) == 6
+    # full, no_kernels, first_only, last_only, bn_inference, last_only_inference,
+    # first_only_inference
+    assert len(hits) == len(prof.checks) == 7
     assert prof.tensors == model.names
 
     # Without them: artifacts in a temporary cache, the graph built once from the full
@@ -659,13 +665,14 @@ def test_fast_profile_measures_three_graphs_and_both_batch_norm_modes(
     fast = resnet18s_fast_profile
     assert fast.level == "fast" and resnet18s_profile.level == "thorough"
     assert 3 <= fast.repeats <= 10 and fast.warmup == 1  # more rounds when runs disagree
-    # full, first_only (batch norms in inference mode), last_only, and last_only baked with
-    # batch norms in inference mode; no_kernels only splits a conv's bias gradient, and these
-    # convs have none
+    # full, first_only (batch norms in inference mode, baked), last_only, and last_only baked
+    # with batch norms in inference mode; no_kernels only splits a conv's bias gradient, and
+    # these convs have none
     assert set(fast.checks) == {"full", "first_only", "last_only", "last_only_inference"}
-    assert fast.checks["first_only"]["frozen_bn"] == "inference"
-    assert fast.checks["last_only_inference"]["frozen_bn"] == "inference"
+    for c in ("first_only", "last_only_inference"):
+        assert fast.checks[c]["frozen_bn"] == "inference"
     assert len(fast.inference_forward_moved_us) == len(fast.tensors)
+    assert len(fast.inference_path_moved_us) == len(fast.tensors)
     # every batch norm but one of tensor 0 has both modes measured
     bn_tensors = {r["gamma"] for r in resnet18s_profile.batch_norms}
     assert {r["gamma"] for r in fast.batch_norms} == bn_tensors - {0}
@@ -795,3 +802,111 @@ def test_conv_grad_of_a_computed_kernel_or_shared_bias_is_charged(tmp_path):
     kinds = dict(zip(prof.tensors, prof.kinds, strict=True))
     assert kinds["b"] == "bias" and {kinds["v"], kinds["g"]} == {"kernel"}
     assert all(prof.t_dw_us > 0)
+
+
+# ---- frozen layers on the gradient path (issue 30) ----
+
+
+@pytest.fixture(scope="module")
+def tiny_depthwise_model(tmp_path_factory) -> LoadedModel:
+    """A MobileNetV2-style net small enough for tests: conv-BN-ReLU6, three inverted residual
+    blocks (1x1 expand, 3x3 depthwise, 1x1 project, BN), pool, linear head (3x32x32 -> 10)."""
+    import torch
+    from torch import nn
+
+    from models.export import export_onnx
+    from models.zoo import InvertedResidual, conv_bn_relu6
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        conv_bn_relu6(3, 16, 3, 2),
+        InvertedResidual(16, 16, 1, 4),
+        InvertedResidual(16, 24, 2, 4),
+        InvertedResidual(24, 24, 1, 4),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(24, 10),
+    )
+    path = tmp_path_factory.mktemp("depthwise") / "depthwise.onnx"
+    return LoadedModel.load(export_onnx(net, path, input_shape=(3, 32, 32)))
+
+
+@pytest.mark.slow
+def test_frozen_layers_the_gradient_passes_are_charged_as_training_runs_them(
+    tiny_depthwise_model,
+):
+    """Issue 30: training sessions bake frozen parameters, so a frozen layer the gradient passes
+    runs fused (Conv + BN + ReLU6, blocked depthwise convs) and cheaper than the profile's
+    unbaked nodes. The fast level times the first_only selection baked and charges the saving
+    to the layers' tensors (``inference_path_moved_us``): selections with many frozen layers
+    after their earliest tensor are then predicted as they run, in the loop's batch-norm mode."""
+    model = tiny_depthwise_model
+    n = len(model.tensors)
+    prof = profile_model(model, batch_size=16, threads=THREADS, clock=CLOCK)
+    assert prof.checks["first_only"]["frozen_bn"] == "inference"  # timed baked
+    assert len(prof.inference_path_moved_us) == n and sum(prof.inference_path_moved_us) > 0
+    masks = np.zeros((3, n), dtype=bool)
+    masks[0, [0, n - 2, n - 1]] = True  # the first kernel and the head: every layer passed
+    masks[1, ::3] = True  # scattered, as top-k selects
+    masks[2, n // 2 :] = True  # a prefix of the backward pass: nothing frozen after it
+    measured, full = measure_selection_steps_us(
+        model,
+        masks,
+        batch_size=16,
+        threads=THREADS,
+        repeats=10,
+        warmup=WARMUP,
+        clock=CLOCK,
+        group=3,
+        frozen_bn="inference",
+    )
+    ratio = measured / full
+
+    def errors(p: Profile) -> np.ndarray:
+        predicted = np.array([p.predicted_step_us(m) for m in masks]) / p.t_full_us
+        return predicted / ratio - 1.0
+
+    now = errors(prof.for_frozen_bn("inference"))
+    before = errors(
+        dataclasses.replace(prof, inference_path_moved_us=[]).for_frozen_bn("inference")
+    )
+    print("ratio error now", now, "without the baked path", before)
+    assert np.abs(now).max() < 0.2
+    assert np.abs(now[:2]).mean() < np.abs(before[:2]).mean()
+
+
+@pytest.mark.slow
+def test_profile_whose_rounds_never_agree_is_not_cached(
+    tiny_cnn_model, tmp_path, monkeypatch, caplog
+):
+    """Issue 30: a fast profile measured while other work stretched every round (load 6 on 2
+    cores: MobileNetV2's late kernels got 15x their t_dw) served the cache for later runs on a
+    quiet machine, whose selections then ran at 0.31-0.68 of the full step for rho 0.5. Rounds
+    that never reproduce (stood in for here: the check always fails) are used, not cached."""
+    from etgraph import profile_levels
+
+    monkeypatch.setattr(profile_levels, "reproduced", lambda times, tolerance: False)
+    prof = profile_model(tiny_cnn_model, threads=THREADS, clock=CLOCK, cache_dir=tmp_path)
+    assert prof.reproduced is False and prof.repeats == profile_levels.FAST_MAX_REPEATS
+    assert not list(tmp_path.glob("*.json"))
+    assert "profile not cached" in caplog.text
+    monkeypatch.setattr(profile_levels, "reproduced", lambda times, tolerance: True)
+    prof = profile_model(tiny_cnn_model, threads=THREADS, clock=CLOCK, cache_dir=tmp_path)
+    assert prof.reproduced is True and len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_paired_ratio_cancels_the_machines_speed_between_rounds():
+    """Issue 30: a shared machine's speed changed by 1.5x between rounds; the ratio of two
+    runners stepped round robin is taken round by round, so a slow round slows both."""
+    from etgraph.measure import paired_ratio
+
+    speed = np.array([1.0, 1.0, 1.5, 1.0, 1.6, 1.4])  # per round; round 0 is warm-up
+    mask, full = 0.4 * speed, 1.0 * speed
+    mask[3] *= 1.2  # one disturbed step of the mask
+    assert paired_ratio(mask, full, warmup=1) == pytest.approx(0.4)
+    # the full steps' fast rounds disturbed: separate low quantiles put the mask at 0.31
+    full[[1, 3]] *= 1.5
+    assert robust_time(mask[1:]) / robust_time(full[1:]) < 0.35
+    assert paired_ratio(mask, full, warmup=1) == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0], warmup=1)
