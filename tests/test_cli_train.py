@@ -33,7 +33,9 @@ def test_train_out_of_the_box_profiles_with_the_cache(tmp_path):
     for word in ("val accuracy", "speedup", "rho", "requested 0.90"):
         assert word in done.stdout
     assert _epochs(out) == [1, 2]
-    assert list((tmp_path / "cache" / "profiles").glob("*.json"))  # the profile was cached
+    cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
+    # cached, unless the machine was too busy for two profiling rounds to agree (by design)
+    assert cached or "profile not cached" in done.stderr
     for name in ("checkpoint", "model_trained.onnx", "curves.png", "selection.png"):
         assert (out / name).is_file(), name
 
