@@ -5,11 +5,12 @@ At each period start :meth:`PeriodController.reselect`:
 
 1. **importance** — first-order importance of every tensor on probe batch(es), from one AdamW
    update of all tensors in a separate session (:mod:`etgraph.importance`; under a memory
-   budget chunk by chunk from the state's checkpoint file). After the first period it needs no
-   pass of its own: the full step after the previous period's last step, on the all-trainable
-   session brought to the trained tensors' values, left the gradients at exactly the carried
-   weights (:meth:`PeriodController.carries_gradients`; on that step's training batch instead
-   of a probe batch);
+   budget chunk by chunk from the state's checkpoint file). After the first period the period
+   start takes no pass of its own: the pass after the previous period's last step (that
+   period's last reference step where one is due), on the all-trainable session brought to
+   the trained tensors' values, left the gradients at exactly the carried weights
+   (:meth:`PeriodController.carries_gradients`; on that step's training batch instead of a
+   probe batch);
 2. **selection** — the DP of Eq. (3) under ``rho * t_full_us`` of the time model, corrected by
    the fit to the steps measured so far (:mod:`etgraph.clock`), or a baseline strategy
    (:data:`etgraph.selection.STRATEGIES`);
