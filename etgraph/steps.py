@@ -54,6 +54,7 @@ class EpochSteps:
             (the next period's importance; copying the trained tensors included).
         carried: the step ``carry_after`` was trained, and the reference session was left
             holding the gradients at the trained tensors' values after it.
+        last_batch: the epoch's last batch ``(x, y)`` (the next period's importance batch).
         train_s: the epoch's steps, wall (reference steps included).
         losses: each step's mean loss. correct: the metric summed over the epoch (correct
             predictions for ce). seen: examples trained on. learning_rate: the last step's.
@@ -66,6 +67,7 @@ class EpochSteps:
     reference_s: float = 0.0
     gradients_s: float = 0.0
     carried: bool = False
+    last_batch: tuple | None = None
     train_s: float = 0.0
     losses: list[float] = field(default_factory=list)
     correct: float = 0
@@ -116,6 +118,7 @@ def train_steps(
             loss, right = session.train_step(x, y, lr)
             out.step_times.append(time.perf_counter() - ts)
             out.step_cpu.append(time.process_time() - cs)
+            out.last_batch = (x, y)
             if reference is not None:
                 _full_steps(out, i, x, y, session, reference, reference_at, carry_after)
             if not math.isfinite(loss) and on_nonfinite is not None:

@@ -166,6 +166,7 @@ class ElasticTrainer(WeightsAccess):
         self._options_chosen = False
         self._periods_ended = 0  # periods ended (the next one's index, when driven by steps)
         self._since_set: set[str] = set()  # tensors trained since set_weights
+        self._epoch_last_batch: tuple | None = None  # the last epoch's last batch, if trained
         self._stats_at_set: dict[str, np.ndarray] | None = None
         if not resuming:
             if self.deadline is not None:
@@ -246,6 +247,7 @@ class ElasticTrainer(WeightsAccess):
             raise ConfigError("restore() between periods only")
         self._carried = self._initial_state() if state is None else state
         self.controller.forget_gradients()
+        self._epoch_last_batch = None  # not trained here: built again from the epoch's seed
         if state is not None:
             self.source_model = None
         self._session, self._mask = None, None
@@ -473,6 +475,7 @@ class ElasticTrainer(WeightsAccess):
             progress=f"epoch {epoch + 1}/{cfg.epochs}" if self.progress else None,
             total=self.steps_per_epoch,
         )
+        self._epoch_last_batch = steps.last_batch
         if steps.carried:
             self.controller.hold_gradients(period + 1)
         fresh, session.fresh = session.fresh, False
@@ -661,7 +664,10 @@ class ElasticTrainer(WeightsAccess):
         return itertools.islice(batches, self.steps_per_epoch)
 
     def _last_batch(self) -> tuple:
-        """The last training batch of the epoch before this one (its period's last step)."""
+        """The last training batch of the epoch before this one (its period's last step): the
+        one it trained on, else (a restored run) built again from that epoch's seed."""
+        if self._epoch_last_batch is not None:
+            return self._epoch_last_batch
         *_, last = self._train_batches(self.epoch - 1)
         return last
 
