@@ -109,6 +109,15 @@ class CarriedState:
                 self.moments.pop(name, None)
         return self
 
+    @property
+    def optimizer_state(self) -> bool:
+        """Whether the state holds AdamW moments or a step count. Without them a checkpoint
+        needs no optimizer group (:func:`write_checkpoint` ``optimizer_state=False``): ORT's
+        ``Optimizer`` then starts from zero moments at step 0 itself, and the file is a third
+        of the size when every tensor trains (a run's first selection on ResNet50 128 px:
+        94 MB, not 261 MB; the same weights after 3 steps, bit for bit)."""
+        return bool(self.moments) or self.step > 0
+
 
 def _mapped(path: Path) -> mmap.mmap | bytes:
     """The file mapped read-only (the mapping lives as long as views into it); an empty file's

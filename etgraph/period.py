@@ -547,20 +547,33 @@ class PeriodController:
         artifacts_s = time.perf_counter() - t0
         self.last_artifacts_cpu_s = time.process_time() - cpu0
         weights = carried.weights if not isinstance(carried, Path) else None
-        size = 0 if weights is None else checkpoint_bytes(weights, trainable)
+        size = 0
+        if weights is not None:
+            size = checkpoint_bytes(weights, trainable, optimizer_state=carried.optimizer_state)
         # A transient file ORT reads at once: in RAM where there is room, except under a memory
         # budget; the run's own checkpoint is the durable state.
         with transient_file(SESSION_CHECKPOINT, size, self.work_dir, ram=not self.bounded) as ckpt:
             if weights is None:  # rewritten from a view of the file, then dropped
                 state, _, _ = read_checkpoint(carried, copy=False)
-                write_checkpoint(ckpt, state, trainable, initial_learning_rate=config_lr)
+                write_checkpoint(
+                    ckpt,
+                    state,
+                    trainable,
+                    initial_learning_rate=config_lr,
+                    optimizer_state=state.optimizer_state,
+                )
                 del state
                 gc.collect()
                 release_native_memory()
                 memory_log("the selection's checkpoint")
             else:
                 write_checkpoint(
-                    ckpt, carried, trainable, initial_learning_rate=config_lr, durable=False
+                    ckpt,
+                    carried,
+                    trainable,
+                    initial_learning_rate=config_lr,
+                    optimizer_state=carried.optimizer_state,
+                    durable=False,
                 )
             session = TrainingSession(
                 paths.directory,

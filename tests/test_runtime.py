@@ -127,12 +127,13 @@ def test_checkpoint_written_from_the_arrays_survives_the_builder_growing(tmp_pat
 # ---- carrying state across a re-selection -----------------------------------------------------
 
 
-def _session(model: LoadedModel, selected, state, cache, ckpt):
+def _session(model: LoadedModel, selected, state, cache, ckpt, optimizer_state=True):
     mask = np.isin(np.arange(len(model.tensors)), selected)
     trainable, frozen = model.split(mask)
     paths, _ = cache.get(model.proto, trainable, frozen)
-    write_checkpoint(ckpt, state, trainable)
-    return TrainingSession(paths.directory, ckpt, threads=None, input_names=["input"]), trainable
+    write_checkpoint(ckpt, state, trainable, optimizer_state=optimizer_state)
+    # one thread: the steps are bit-reproducible
+    return TrainingSession(paths.directory, ckpt, threads=1, input_names=["input"]), trainable
 
 
 @pytest.mark.slow
@@ -150,12 +151,24 @@ def test_state_carried_exactly_across_reselection(tmp_path, default_model):
     session_a, train_a = _session(
         model, sel_a, CarriedState(dict(initial)), cache, tmp_path / "a.ckpt"
     )
+    # A state without moments or steps needs no optimizer group: ORT's Optimizer starts from
+    # zero moments at step 0 itself, from a file a third of the size when every tensor trains.
+    assert not CarriedState(dict(initial)).optimizer_state
+    lean, _ = _session(
+        model, sel_a, CarriedState(dict(initial)), cache, tmp_path / "lean.ckpt", False
+    )
+    assert (tmp_path / "lean.ckpt").stat().st_size < (tmp_path / "a.ckpt").stat().st_size
     for x, y in list(data.train_batches(4, seed=1))[:3]:
         loss, _ = session_a.train_step(x, y, 1e-3)
         assert np.isfinite(loss)
+        assert lean.train_step(x, y, 1e-3)[0] == loss
+    for name, value in lean.weights().items():
+        np.testing.assert_array_equal(value, session_a.weights()[name])
+    del lean
     session_a.save(tmp_path / "after_a", {RUN_PROPERTY: "{}"})
     carried, requires_grad, _ = read_checkpoint(tmp_path / "after_a")
     assert sorted(requires_grad) == sorted(train_a) and carried.step == 3
+    assert carried.optimizer_state
 
     for name in model.names:
         changed = not np.array_equal(carried.weights[name], initial[name])
@@ -418,9 +431,21 @@ def _losses(out_dir):
 def test_elastic_run_outputs_export_and_determinism(tmp_path, default_profile, default_model, rho):
     from PIL import Image
 
+    import etgraph.period
+
     prof, _ = default_profile
     config = TrainConfig(epochs=3, period=1, rho=rho, seed=1, closed_loop=False, **QUICK)
-    result = train(default_model, prof, config, tmp_path / "run", progress=False)
+    written = []  # (step, optimizer group written) of each selection's session checkpoint
+
+    def write_checkpoint_seen(path, state, *args, **kwargs):
+        written.append((state.step, kwargs.get("optimizer_state", True)))
+        return write_checkpoint(path, state, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(etgraph.period, "write_checkpoint", write_checkpoint_seen)
+        result = train(default_model, prof, config, tmp_path / "run", progress=False)
+    # the first session starts without an optimizer group, later ones carry the moments
+    assert written[0] == (0, False) and all(group for step, group in written[1:])
     out = tmp_path / "run"
     records = _losses(out)
     assert [r["epoch"] for r in records] == [1, 2, 3]
