@@ -4,9 +4,10 @@
 
 The model (a zoo name, exported at --input-size with 5 classes) gets its all-trainable
 artifacts once (as a run holds them for importance and the reference steps); then for each of
-``--selections`` selections (the last tensors from a varying start, plus three earlier ones) the
-parts a period start pays when the selection changed: ``derive`` (the selection's graphs from
-the all-trainable ones, :func:`etgraph.artifacts.derive`), ``generate`` (the same with
+``--selections`` selections (the last tensors from a varying start, plus three earlier ones; the
+first as a run's first selection, without moments, the others carrying the moments of the later
+half) the parts a period start pays when the selection changed: ``derive`` (the selection's
+graphs from the all-trainable ones, :func:`etgraph.artifacts.derive`), ``generate`` (the same with
 onnxblock, for comparison: what a re-selection cost before), ``checkpoint`` (the carried state
 with the new trainable set and the moments of the later half, written where a run writes it,
 :func:`etgraph.files.transient_file`, and removed), ``session``
@@ -83,11 +84,13 @@ def main() -> None:
                 checkpoint=False, static_batch=static,
             )  # fmt: skip
             t["generate"] = time.perf_counter() - t0
-            state = CarriedState(weights, moments, step=10)
-            size = checkpoint_bytes(weights, trainable)
+            # the first: a run's first selection (no moments, step 0), the others carry moments
+            state = CarriedState(weights) if k == 0 else CarriedState(weights, moments, step=10)
+            group = state.optimizer_state
+            nbytes = checkpoint_bytes(weights, trainable, optimizer_state=group)
             t0 = time.perf_counter()
-            with transient_file("session.ckpt", size, work) as ckpt:  # as a run: in RAM if room
-                write_checkpoint(ckpt, state, trainable, durable=False)
+            with transient_file("session.ckpt", nbytes, work) as ckpt:  # as a run: in RAM if room
+                write_checkpoint(ckpt, state, trainable, optimizer_state=group, durable=False)
                 t["checkpoint"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 session = TrainingSession(
@@ -100,14 +103,14 @@ def main() -> None:
             t["first step"] = time.perf_counter() - t0
             del session
             t["changed selection"] = t["derive"] + t["checkpoint"] + t["session"]
-            rows.append((int(mask.sum()), t))
+            rows.append((f"{int(mask.sum())}/{n}" + ("" if group else ", first"), t))
     print(f"\n{args.model} {size} px, {n} tensors, load average {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores (s)")  # fmt: skip
     cols = list(rows[0][1])
     print("| selected | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for selected, t in rows:
-        print(f"| {selected}/{n} | " + " | ".join(f"{t[c]:.3f}" for c in cols) + " |")
+        print(f"| {selected} | " + " | ".join(f"{t[c]:.3f}" for c in cols) + " |")
 
 
 if __name__ == "__main__":
