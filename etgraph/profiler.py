@@ -286,11 +286,20 @@ def profile_model(
         level,
         prof.load_average,
     )
-    _warn_if_loaded(prof.load_average, threads)
-    if cache_path is not None and prof.reproduced is False:
+    loaded = _loaded(prof.load_average, threads)
+    if loaded:
+        log.warning(
+            "profiled at load average %.1f on %d cores: other work may have stretched the "
+            "measured times; profile again on a quieter machine for a sharper time model",
+            prof.load_average,
+            len(os.sched_getaffinity(0)),
+        )
+    if cache_path is not None and prof.reproduced is False and loaded:
         # Issue 30: a profile measured while other work stretched its runs has the wrong
         # shape (MobileNetV2 at load 6: late kernels' t_dw 15x too high), and from the cache it
-        # would serve every later run, on a quiet machine too.
+        # would serve every later run, on a quiet machine too. On a quiet machine whose rounds
+        # still vary by more than the tolerance (MobileNetV2 128 px at load 0.6 here), a new
+        # profile would be no sharper: that one is cached, so later runs select alike.
         log.warning(
             "profile not cached: no two of its %d rounds took the same time within %.0f%% "
             "(load average %s); later runs profile again",
@@ -327,20 +336,13 @@ def _measurement_settings(
     return repeats, warmup, threads
 
 
-def _warn_if_loaded(load_average: float | None, threads: int) -> None:
-    """Warn when other work alone filled the cores while profiling with ``threads`` threads."""
+def _loaded(load_average: float | None, threads: int) -> bool:
+    """Whether other work alone filled the cores while profiling with ``threads`` threads (the
+    profiler's own threads count up to ``threads`` in the load average): at load >= 6 on 2
+    cores every kernel longer than a time slice was stretched in every run (docs/results.md,
+    "Time model validation"); the closed loop re-fits the scale, not that."""
     cores = len(os.sched_getaffinity(0))
-    if load_average is not None and load_average - threads >= cores:
-        # Other work alone filled the cores (the profiler's own threads count up to `threads`):
-        # at load >= 6 on 2 cores every kernel longer than a time slice was stretched in every
-        # run (docs/results.md, "Time model validation"); the closed loop re-fits the scale, not
-        # that.
-        log.warning(
-            "profiled at load average %.1f on %d cores: other work may have stretched the "
-            "measured times; profile again on a quieter machine for a sharper time model",
-            load_average,
-            cores,
-        )
+    return load_average is not None and load_average - threads >= cores
 
 
 def _profile(
