@@ -255,7 +255,8 @@ class ImportanceEvaluator:
             moments: ``"adam"``: name -> ``{"momentum0", "momentum1"}`` of the tensors that
                 trained (:attr:`etgraph.checkpoint.CarriedState.moments`); others start from
                 zero moments. step: the run's AdamW step count (``CarriedState.step``).
-            seed: ``"random"``: the draw's seed (e.g. the period's probe seed).
+            seed: the period's probe seed: the pass's Dropout masks
+                (:func:`etgraph.sessions.seed_random`), and ``"random"``'s draw.
 
         Returns:
             An :class:`ImportanceResult` (``"random"``: loss NaN, no session opened).
@@ -274,7 +275,7 @@ class ImportanceEvaluator:
         session.set_parameters(weights, self.tensor_names + self.frozen_names)
         session_s = time.perf_counter() - t0
 
-        losses = session.accumulate(batches)
+        losses = session.accumulate(batches, seed=seed)
         if not losses:
             raise ConfigError("importance needs at least one probe batch")
         importance = self._score(session, weights, learning_rate, len(losses), moments, step)
@@ -390,7 +391,7 @@ class ImportanceEvaluator:
         try:
             for chunk, path in zip(self.chunks, files, strict=True):
                 chunk_losses, open_s = self._evaluate_chunk(
-                    chunk, path, checkpoint, batches, learning_rate, step, importance
+                    chunk, path, checkpoint, batches, learning_rate, step, importance, seed
                 )
                 session_s += open_s
                 losses = losses or chunk_losses  # every chunk computes the same forward pass
@@ -462,10 +463,12 @@ class ImportanceEvaluator:
         learning_rate: float,
         step: int,
         importance: np.ndarray,
+        seed: int,
     ) -> tuple[list[float], float]:
         """Score the tensors of ``chunk`` into ``importance`` (float64 [N]) from a session
-        opened on the chunk's checkpoint ``path``, run on ``batches`` and released before
-        returning; the moments (``"adam"``) are read as views of ``checkpoint``.
+        opened on the chunk's checkpoint ``path``, run on ``batches`` (Dropout masks from
+        ``seed``, as every chunk's) and released before returning; the moments (``"adam"``)
+        are read as views of ``checkpoint``.
 
         Returns:
             The chunk's probe losses and the seconds spent opening its session.
@@ -474,7 +477,7 @@ class ImportanceEvaluator:
         ts = time.perf_counter()
         session = self._open_chunk_session(names, path)
         open_s = time.perf_counter() - ts
-        losses = session.accumulate(batches)
+        losses = session.accumulate(batches, seed=seed)
         log.debug(
             "importance chunk of %d tensors from %d: RSS %.0f MiB, peak %.0f MiB",
             len(chunk),

@@ -44,8 +44,19 @@ __all__ = [
     "inference_session",
     "padded_batch",
     "score",
+    "seed_random",
     "softmax_cross_entropy",
 ]
+
+
+def seed_random(seed: int | None) -> None:
+    """Seed ONNX Runtime's process-wide random generator (None: leave it), which draws the
+    masks of a training graph's Dropout nodes (exported without a seed of their own). Unseeded,
+    a step's masks depend on every training-mode run before it in the process — profiling,
+    option probes, an earlier run — so the same seed and data trained differently from a cold
+    and a warm profile cache (MobileNetV2, VGG16, ViT and the text models have Dropout)."""
+    if seed is not None:
+        ort.set_seed(int(seed))
 
 
 def inference_session(
@@ -207,9 +218,13 @@ class TrainingSession:
         self.module.lazy_reset_grad()
         return out
 
-    def train_step(self, x, y: np.ndarray, learning_rate: float) -> tuple[float, float]:
-        """One step at ``learning_rate``; returns (mean loss, metric sum over the batch:
-        correct predictions for ce, summed per-example MSE for mse; :func:`score`)."""
+    def train_step(
+        self, x, y: np.ndarray, learning_rate: float, *, seed: int | None = None
+    ) -> tuple[float, float]:
+        """One step at ``learning_rate``, its Dropout masks drawn from ``seed``
+        (:func:`seed_random`); returns (mean loss, metric sum over the batch: correct
+        predictions for ce, summed per-example MSE for mse; :func:`score`)."""
+        seed_random(seed)
         self.optimizer.set_learning_rate(learning_rate)
         loss, outputs = self.step(x, y)
         if self.loss == "ce":
@@ -309,10 +324,13 @@ class GradientSession:
         for name in names:
             params[name].data[...] = weights[name]
 
-    def accumulate(self, batches) -> list[float]:
+    def accumulate(self, batches, *, seed: int | None = None) -> list[float]:
         """Forward + backward of every batch, gradients accumulated from zero (ORT accumulates
-        until ``lazy_reset_grad``). Returns the loss of each batch."""
+        until ``lazy_reset_grad``), the Dropout masks drawn from ``seed`` (:func:`seed_random`):
+        a pass on the same batch at the same weights and seed gives the same gradients wherever
+        it runs. Returns the loss of each batch."""
         self.uses += 1
+        seed_random(seed)
         self.module.train()
         self.module.lazy_reset_grad()  # drop the previous use's gradients at the next call
         losses = []
@@ -327,11 +345,14 @@ class GradientSession:
         until the next use: :attr:`uses` tells whether there was one)."""
         return self.state.parameters[name].grad
 
-    def train_step(self, x, y: np.ndarray, learning_rate: float) -> float:
+    def train_step(
+        self, x, y: np.ndarray, learning_rate: float, *, seed: int | None = None
+    ) -> float:
         """A full training step, as :meth:`TrainingSession.train_step` (the training loop's
         reference steps, at learning rate 0: AdamW then changes no weight, at the same cost).
         The AdamW session is opened at the first call. Returns the mean loss."""
         self.uses += 1
+        seed_random(seed)
         if self._optimizer is None:
             self._optimizer = api.Optimizer(
                 str(self.directory / "optimizer_model.onnx"), self.module

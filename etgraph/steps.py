@@ -26,7 +26,7 @@ from .rundir import EpochRecord
 from .sessions import GradientSession, TrainingSession
 from .timing import StepTimeFit
 
-__all__ = ["EpochSteps", "cosine_learning_rate", "epoch_record", "train_steps"]
+__all__ = ["EpochSteps", "cosine_learning_rate", "epoch_record", "step_seed", "train_steps"]
 
 
 def cosine_learning_rate(base_lr: float, step: int, total_steps: int) -> float:
@@ -75,15 +75,24 @@ class EpochSteps:
     learning_rate: float = 0.0
 
 
+def step_seed(seed: int, global_step: int) -> int:
+    """ORT's random seed before global step ``global_step`` of a run of seed ``seed``: the
+    step's Dropout masks (:func:`etgraph.sessions.seed_random`) depend on nothing else, so a
+    resumed or repeated run draws the masks an uninterrupted one did."""
+    return seed * 1000 + 200_000 + global_step
+
+
 def train_steps(
     session: TrainingSession,
     batches: Iterable[tuple],
     learning_rate: Callable[[int], float],
     first_step: int,
     *,
+    seed: int | None = None,
     reference: GradientSession | None = None,
     reference_at: frozenset[int] = frozenset(),
     carry_after: int | None = None,
+    carry_seed: int | None = None,
     on_nonfinite: Callable[[int, float, float], None] | None = None,
     progress: str | None = None,
     total: int | None = None,
@@ -95,11 +104,15 @@ def train_steps(
         batches: ``(x, y)`` batches of the run's batch size.
         learning_rate: the rate of a global step (0-based).
         first_step: the global step of the first batch.
+        seed: the run's seed: each step's Dropout masks come from :func:`step_seed` (None:
+            ORT's generator as it stands).
         reference: the all-trainable session the reference steps run on (learning rate 0).
         reference_at: the epoch's step indices after which a reference step runs.
         carry_after: the step index after which ``reference`` takes the trainable tensors of
             ``session`` and is left holding the gradients at them on that step's batch: those
             of the reference steps if one is due there, else of one forward and backward pass.
+        carry_seed: the Dropout seed of the pass whose gradients are held (the next period's
+            probe seed, as a pass of its own on that batch would use).
         on_nonfinite: called with ``(steps taken, loss, learning rate)`` at a NaN or infinite
             loss, before anything else; it should raise (the run stops there).
         progress: a tqdm bar of this title on stderr (running loss and accuracy), or none.
@@ -115,12 +128,14 @@ def train_steps(
         for i, (x, y) in enumerate(batches):
             lr = out.learning_rate = learning_rate(first_step + i)
             ts, cs = time.perf_counter(), time.process_time()
-            loss, right = session.train_step(x, y, lr)
+            step_s = None if seed is None else step_seed(seed, first_step + i)
+            loss, right = session.train_step(x, y, lr, seed=step_s)
             out.step_times.append(time.perf_counter() - ts)
             out.step_cpu.append(time.process_time() - cs)
             out.last_batch = (x, y)
             if reference is not None:
-                _full_steps(out, i, x, y, session, reference, reference_at, carry_after)
+                carry = (carry_after, carry_seed)
+                _full_steps(out, i, x, y, session, reference, reference_at, carry)
             if not math.isfinite(loss) and on_nonfinite is not None:
                 bar.close()
                 on_nonfinite(len(out.step_times), loss, lr)
@@ -145,24 +160,27 @@ def _full_steps(
     session: TrainingSession,
     reference: GradientSession,
     reference_at: frozenset[int],
-    carry_after: int | None,
+    carry: tuple[int | None, int | None],
 ) -> None:
-    """After elastic step ``i`` on batch ``(x, y)``: the carry of :func:`train_steps` and the
-    reference steps due there, recorded in ``out``."""
+    """After elastic step ``i`` on batch ``(x, y)``: the carry of :func:`train_steps`
+    (``carry``: its step index and seed) and the reference steps due there, recorded in
+    ``out``."""
+    carry_after, carry_seed = carry
     if i == carry_after:
         tg = time.perf_counter()
         views = session.trainable_views()
         reference.set_parameters(views, views)
         if i not in reference_at:
-            reference.accumulate([(x, y)])
+            reference.accumulate([(x, y)], seed=carry_seed)
         out.gradients_s += time.perf_counter() - tg
         out.carried = True
     if i in reference_at:
         t_ref = time.perf_counter()
         wall, cpu = [], []
-        for _ in range(1 + REFERENCE_WARMUP):  # the fastest of them (REFERENCE_WARMUP)
+        for k in range(1 + REFERENCE_WARMUP):  # the fastest of them (REFERENCE_WARMUP)
+            held = i == carry_after and k == REFERENCE_WARMUP  # the gradients kept
             ts, cs = time.perf_counter(), time.process_time()
-            reference.train_step(x, y, 0.0)
+            reference.train_step(x, y, 0.0, seed=carry_seed if held else None)
             wall.append(time.perf_counter() - ts)
             cpu.append(time.process_time() - cs)
         out.reference_times.append((i, min(wall)))

@@ -57,11 +57,11 @@ from .host import (
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .ort_probe import OrtOptions
-from .period import PeriodController, memory_log
+from .period import PeriodController, memory_log, probe_seed
 from .profile import Profile
 from .selection import MemoryCosts, check_memory_floor, strategy_mask
 from .sessions import TrainingSession
-from .steps import cosine_learning_rate, epoch_record, train_steps
+from .steps import cosine_learning_rate, epoch_record, step_seed, train_steps
 from .timing import StepTimeFit, min_feasible_rho
 from .weights import WeightsAccess
 
@@ -468,9 +468,11 @@ class ElasticTrainer(WeightsAccess):
             self._train_batches(epoch),
             lambda s: cosine_learning_rate(cfg.learning_rate, s, self.total_steps),
             self.global_step,
+            seed=cfg.seed,
             reference=reference,
             reference_at=reference_at,
             carry_after=carry_after,
+            carry_seed=probe_seed(cfg.seed, period + 1),
             on_nonfinite=diverged,
             progress=f"epoch {epoch + 1}/{cfg.epochs}" if self.progress else None,
             total=self.steps_per_epoch,
@@ -564,7 +566,8 @@ class ElasticTrainer(WeightsAccess):
         if self._period is None:
             self.begin_period()
         lr = cosine_learning_rate(self.config.learning_rate, self.global_step, self.total_steps)
-        loss, _ = self._ensure_session().train_step(inputs, labels, lr)
+        seed = step_seed(self.config.seed, self.global_step)
+        loss, _ = self._ensure_session().train_step(inputs, labels, lr, seed=seed)
         if not math.isfinite(loss):
             self._diverged(self.epoch, self._period.period, 1, loss, lr)
         self.global_step += 1

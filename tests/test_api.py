@@ -263,3 +263,49 @@ def test_the_next_period_s_importance_comes_from_the_period_end_step(
         state = read_checkpoint(trainer.checkpoint_path)[0]
         *_, last = trainer._train_batches(1)
         np.testing.assert_allclose(info.importance, evaluated([last]).importance, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_dropout_masks_depend_only_on_the_run_seed(tmp_path, monkeypatch):
+    """ORT draws a training graph's Dropout masks from one process-wide generator: unseeded, a
+    second run with the same seed and data drew other masks than the first (every training-mode
+    run in between moves the generator, so a cold and a warm profile cache trained differently).
+    Each step is seeded from the run's seed and its global step, each importance pass from the
+    period's probe seed: two runs of one process train alike, step for step."""
+    import torch
+
+    from models.export import export_onnx
+
+    monkeypatch.setenv("ETGRAPH_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(8, 5),
+    )
+    path = export_onnx(module, tmp_path / "dropout.onnx", input_shape=(3, 32, 32), num_classes=5)
+    model = etgraph.load_model(path)
+    assert any(n.op_type == "Dropout" for n in model.proto.graph.node)
+    prof = etgraph.profile_model(model, threads=1, cache=False)
+    x, y = digits_arrays(64)
+    config = etgraph.TrainConfig(
+        epochs=2, period=1, rho=0.8, closed_loop=False, spinning="off", threads=1
+    )
+
+    def run() -> tuple[list[float], dict[str, np.ndarray]]:
+        batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 48, 4)]
+        with etgraph.ElasticTrainer(
+            model, prof, config, data=batches, val_data=(x[48:], y[48:])
+        ) as trainer:
+            trainer.fit()
+            return [r["train_loss"] for r in trainer.records], trainer.get_weights()
+
+    losses, weights = run()
+    again, weights_again = run()
+    assert again == losses
+    for name, value in weights.items():
+        np.testing.assert_array_equal(weights_again[name], value, err_msg=name)

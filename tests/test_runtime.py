@@ -583,10 +583,10 @@ def test_divergence_keeps_the_last_good_checkpoint(
     real_step = TrainingSession.train_step
     calls = []
 
-    def step(self, x, y, learning_rate):
+    def step(self, x, y, learning_rate, **kwargs):
         if learning_rate > 0:  # the run's steps (its full reference steps run at rate 0)
             calls.append(1)
-        loss, right = real_step(self, x, y, learning_rate)
+        loss, right = real_step(self, x, y, learning_rate, **kwargs)
         diverged = len(calls) == QUICK["max_steps_per_epoch"] + 3  # epoch 2, step 3
         return (float("nan") if diverged else loss), right
 
