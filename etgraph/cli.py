@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import click
-from onnx_ir.passes import PassError
 
 from . import __version__
 from .cli_options import (
@@ -147,6 +146,8 @@ def _internal_cause(exc: BaseException) -> str:
     skipping onnx_ir's ``PassError`` wrappers (``PreconditionError: <message>``); when that cause
     is itself wrapped by another named exception, the wrapper comes first
     (``PreconditionError: Pre-condition for pass 'X' failed: KeyError: 'index'``)."""
+
+    from onnx_ir.passes import PassError  # imports sympy (~1 s): not on every CLI start
 
     def text(e: BaseException) -> str:
         return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
