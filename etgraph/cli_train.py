@@ -70,7 +70,13 @@ STARTED = time.perf_counter() - process_age_s()
     help="delta_w of the tensor importance: the optimizer's next step with the run's moments "
     "(adam), AdamW's first step (first-step), an SGD step (grad-sq), or random (ablations).",
 )
-@click.option("--seed", default=0, show_default=True, type=int, help="Run seed.")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Run seed: data order, split, probes, Dropout masks.",
+)
 @click.option(
     "-o",
     "--out",

@@ -51,7 +51,7 @@ class TrainConfig:
         rho: requested step time as a fraction of full training's, in (0, 1].
         period: epochs between re-selections (> 0; paper: 3).
         strategy: one of :data:`etgraph.selection.STRATEGIES`.
-        seed: run seed (data order, probe batches, train/val split).
+        seed: run seed (data order, probe batches, train/val split, Dropout masks).
         data: dataset spec for :func:`etgraph.data.load_task_data` (None = embedded digits
             task).
         tokenizer: the model's ``tokenizer.json`` for text data (``data`` a .csv/.jsonl file).
