@@ -108,6 +108,10 @@ def _runs() -> dict[str, dict]:
     runs["elastic-adam@0.5@head-lr-scale10"] = dict(
         strategy="elastic", rho=0.5, head_lr_scale=HEAD_SCALE
     )
+    for strategy in ("topk", "prefix"):  # the selectors that ignore importance, alike
+        runs[f"{strategy}@0.5@head-lr-scale10"] = dict(
+            strategy=strategy, rho=0.5, head_lr_scale=HEAD_SCALE
+        )
     return runs
 
 
