@@ -286,29 +286,7 @@ def profile_model(
         level,
         prof.load_average,
     )
-    loaded = _loaded(prof.load_average, threads)
-    if loaded:
-        log.warning(
-            "profiled at load average %.1f on %d cores: other work may have stretched the "
-            "measured times; profile again on a quieter machine for a sharper time model",
-            prof.load_average,
-            len(os.sched_getaffinity(0)),
-        )
-    if cache_path is not None and prof.reproduced is False and loaded:
-        # Issue 30: a profile measured while other work stretched its runs has the wrong
-        # shape (MobileNetV2 at load 6: late kernels' t_dw 15x too high), and from the cache it
-        # would serve every later run, on a quiet machine too. On a quiet machine whose rounds
-        # still vary by more than the tolerance (MobileNetV2 128 px at load 0.6 here), a new
-        # profile would be no sharper: that one is cached, so later runs select alike.
-        log.warning(
-            "profile not cached: no two of its %d rounds took the same time within %.0f%% "
-            "(load average %s); later runs profile again",
-            prof.repeats,
-            100 * REPRODUCED_TOLERANCE,
-            prof.load_average,
-        )
-    elif cache_path is not None:
-        prof.save(cache_path)
+    _keep(prof, threads, cache_path)
     return prof
 
 
@@ -334,6 +312,34 @@ def _measurement_settings(
     threads = usable_threads(threads)  # the profile records the threads it measured with
     step_clock(clock, threads)
     return repeats, warmup, threads
+
+
+def _keep(prof: Profile, threads: int, cache_path: Path | None) -> None:
+    """Warn if other work alone filled the cores while profiling, and cache ``prof`` at
+    ``cache_path`` (None: no cache) unless its rounds also never reproduced (issue 30): a
+    profile measured while other work stretched its runs has the wrong shape (MobileNetV2 at
+    load 6: late kernels' t_dw 15x too high), and from the cache it would serve every later run,
+    on a quiet machine too. On a quiet machine whose rounds still vary by more than the
+    tolerance (MobileNetV2 128 px at load 0.6 here) a new profile would be no sharper: that one
+    is cached, so later runs select alike."""
+    loaded = _loaded(prof.load_average, threads)
+    if loaded:
+        log.warning(
+            "profiled at load average %.1f on %d cores: other work may have stretched the "
+            "measured times; profile again on a quieter machine for a sharper time model",
+            prof.load_average,
+            len(os.sched_getaffinity(0)),
+        )
+    if cache_path is not None and prof.reproduced is False and loaded:
+        log.warning(
+            "profile not cached: no two of its %d rounds took the same time within %.0f%% "
+            "(load average %s); later runs profile again",
+            prof.repeats,
+            100 * REPRODUCED_TOLERANCE,
+            prof.load_average,
+        )
+    elif cache_path is not None:
+        prof.save(cache_path)
 
 
 def _loaded(load_average: float | None, threads: int) -> bool:
