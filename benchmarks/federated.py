@@ -18,9 +18,16 @@ per-tensor coverage (mean share of examples whose client trained a tensor; input
 output half). Targets (issue 29): D >= 2x sooner than A at A's final accuracy, D above B at
 equal time, every client round within the deadline +5%, uploads below A's.
 
+Tasks (``--task``): ``digits`` (default) — the embedded default model and the digits
+transfer task (or ``--model`` / ``--data``), batch 4, lr 1e-3; ``animals`` — issue 30's
+pretrained vision task (``benchmarks/whole_run.py``'s :func:`animals_task`: ImageNet
+MobileNetV2 with a fresh 10-class head at 96 px on ``--examples`` Animal-MNIST training images;
+the held-out 20% is the server's test set), batch 16, lr 3e-4, written once under ``--out``.
+
 Usage (keep it modest on a shared machine)::
 
     nice -n 5 python benchmarks/federated.py [--rounds 20] [--seeds 3] [--deadline 1.5]
+    nice -n 5 python benchmarks/federated.py --task animals --examples 600 ...
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ from etgraph.federated.plots import plot_accuracy  # noqa: E402
 from etgraph.federated.run import federate  # noqa: E402
 from etgraph.federated.rundir import LATE_TOLERANCE, read_log  # noqa: E402
 
+#: ``--task``'s batch size and learning rate when not given.
+TASK_DEFAULTS = {"digits": (4, 1e-3), "animals": (16, 3e-4)}
+
 LETTERS = {"fedavg-full": "A", "fedavg-drop": "B", "elastic": "C", "elastic-fedel": "D"}
 
 
@@ -62,6 +72,18 @@ def acc_at(records: list[dict], t: float) -> float:
         if r["virtual_time_s"] <= t + 1e-9:
             acc = r["val_acc"]
     return acc
+
+
+def animals_files(work: Path, examples: int) -> tuple[str, str]:
+    """The animals task's model and image folder in ``work`` (written once, reused)."""
+    model, data = work / "animals.onnx", work / "animals"
+    if not (model.is_file() and data.is_dir()):
+        from benchmarks.whole_run import animals_task
+
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        model, data = animals_task(work, examples)
+    return str(model), str(data)
 
 
 def ms(values) -> str:
@@ -86,9 +108,18 @@ def ms(values) -> str:
 @click.option("--partition", default="dirichlet:0.5", show_default=True)
 @click.option("--deadline", default=1.5, show_default=True, help="Round deadline, virtual s.")
 @click.option("--local-epochs", default=1, show_default=True)
-@click.option("--lr", default=1e-3, show_default=True)
-@click.option("--model", default=None, help="ONNX file or compiled dir [the embedded default].")
-@click.option("--data", default=None, help="Data spec [digits].")
+@click.option(
+    "--task",
+    type=click.Choice(sorted(TASK_DEFAULTS)),
+    default="digits",
+    show_default=True,
+    help="digits: --model on --data; animals: the pretrained MobileNetV2 task (module doc).",
+)
+@click.option("--examples", default=600, show_default=True, help="animals: training images.")
+@click.option("--batch-size", default=None, type=int, help="[digits 4, animals 16]")
+@click.option("--lr", default=None, type=float, help="AdamW's [digits 1e-3, animals 3e-4]")
+@click.option("--model", default=None, help="digits: ONNX file or compiled dir [the default].")
+@click.option("--data", default=None, help="digits: data spec [digits].")
 @click.option("--strategies", default="fedavg-full,fedavg-drop,elastic,elastic-fedel")
 @click.option("--out", default="/tmp/etgraph-federated-bench", show_default=True)
 @click.option("--json", "json_path", default=None, help="Write the results here.")
@@ -103,6 +134,9 @@ def main(
     partition,
     deadline,
     local_epochs,
+    task,
+    examples,
+    batch_size,
     lr,
     model,
     data,
@@ -116,6 +150,10 @@ def main(
     speeds = tuple(float(s) for s in speeds.split(","))
     runs: dict[str, list[list[dict]]] = {s: [] for s in strategies}
     root = Path(out)
+    batch_size = batch_size or TASK_DEFAULTS[task][0]
+    lr = lr or TASK_DEFAULTS[task][1]
+    if task == "animals":
+        model, data = animals_files(root / f"animals{examples}", examples)
     for seed in range(seeds):
         for strategy in strategies:
             run_dir = root / f"{strategy}-seed{seed}"
@@ -133,6 +171,7 @@ def main(
                     partition=partition,
                     strategy=strategy,
                     local_epochs=local_epochs,
+                    batch_size=batch_size,
                     learning_rate=lr,
                     seed=seed,
                 )
@@ -208,7 +247,8 @@ def main(
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
     print(
-        f"\n{clients} clients, speeds {speeds}, {partition}, deadline {deadline} s (virtual), "
+        f"\n{task} task, {clients} clients, speeds {speeds}, {partition}, batch {batch_size}, "
+        f"lr {lr:g}, {local_epochs} local epochs, deadline {deadline} s (virtual), "
         f"{rounds} rounds (C, D: {elastic_rounds or rounds}), {seeds} seeds; times virtual "
         "(speed x measured CPU time)"
     )
@@ -245,6 +285,9 @@ def main(
                         partition=partition,
                         deadline_s=deadline,
                         local_epochs=local_epochs,
+                        task=task,
+                        examples=examples if task == "animals" else None,
+                        batch_size=batch_size,
                         lr=lr,
                         model=model,
                         data=data,

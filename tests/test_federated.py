@@ -306,6 +306,44 @@ def test_a_period_takes_the_callers_rho_and_importance_fn(default_model, default
             trainer.end_period() or trainer.begin_period(1.5)
 
 
+@pytest.mark.slow
+def test_a_client_whose_period_start_leaves_no_time_for_a_step_uploads_nothing(
+    monkeypatch, cache_env
+):
+    """A slow device's period start can use its whole budget (an s = 8 client of the
+    MobileNetV2 task, issue 29): it then takes no step, and its selection still holds the
+    global values. Uploading them would pull the average of every client that trained those
+    tensors back towards the old model, count in the coverage and cost upload bytes."""
+    pytest.importorskip("flwr")
+    from etgraph.federated.client import FederatedClient
+    from etgraph.federated.clock import RoundCosts
+
+    monkeypatch.setenv("ETGRAPH_CACHE", cache_env["ETGRAPH_CACHE"])
+    config = FederateConfig(
+        clients=2, rounds=1, round_deadline_s=2.0, speeds=(20.0,), strategy="elastic"
+    )
+    client = FederatedClient(config, 0)
+    try:
+        client.costs = RoundCosts()  # planned as free: the plan affords steps
+        begin = client.trainer.begin_period
+
+        def slow_begin(*args, **kwargs):  # a period start 0.2 s of CPU longer: 4 s virtual
+            info = begin(*args, **kwargs)
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.2:
+                pass
+            return info
+
+        monkeypatch.setattr(client.trainer, "begin_period", slow_begin)
+        result = client.train_round(1, client.trainer.get_weights())
+        m = result.metrics
+        assert m["steps-planned"] > 0 and m["rho"] > 0  # it planned steps and began a period
+        assert m["steps"] == 0 and m["round-time-s"] > 2.0
+        assert result.upload == {} and m["n-tensors"] == 0 and m["selected"] == []
+    finally:
+        client.close()
+
+
 # ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
 
 ROOT = Path(__file__).resolve().parents[1]

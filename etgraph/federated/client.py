@@ -13,9 +13,9 @@ A round (:meth:`FederatedClient.train_round`), all on the device's virtual clock
    before a step that would end past the deadline (``fedavg-drop`` clients train every step
    and may be late: the server drops them; ``fedavg-full`` clients have no deadline);
 4. the tensors it trained (:meth:`etgraph.ElasticTrainer.trained_weights`: the selection and
-   the running statistics that moved) go back as an ``ArrayRecord`` keyed by ONNX initializer
-   name, with metrics (examples, steps, selected tensors, virtual and measured time, rho
-   requested and achieved, its importance).
+   the running statistics that moved; nothing when it took no step) go back as an
+   ``ArrayRecord`` keyed by ONNX initializer name, with metrics (examples, steps, selected
+   tensors, virtual and measured time, rho requested and achieved, its importance).
 
 The device's trainer is kept between rounds (a Flower ``ClientApp`` is called once per
 message; the Ray worker that runs it lives on); its one-time setup (model, profile, trainer, a
@@ -210,7 +210,10 @@ class FederatedClient:
                 step_s.append(clock.elapsed_s() - t0)
             t_end = clock.elapsed_s()
             trainer.end_period()
-            upload = trainer.trained_weights()
+            # the selection counts as trained once a period starts; with no step taken (the
+            # period start used the budget) it holds the global values: uploading them would
+            # pull the average of every client that trained them back towards the old model
+            upload = trainer.trained_weights() if losses else {}
         else:
             t_end = clock.elapsed_s()
         timed = step_s[1:] if len(step_s) > 1 else step_s  # the first step of a new session
