@@ -119,6 +119,7 @@ def train_steps(
         total: the epoch's steps (the bar's length).
     """
     out = EpochSteps(learning_rate=learning_rate(first_step))
+    carry = (carry_after, carry_seed)
     t_epoch = time.perf_counter()
     # closed however the epoch ends (an interrupt, a signal), so no half-drawn bar is left
     # before the line that says why the run stopped
@@ -134,7 +135,6 @@ def train_steps(
             out.step_cpu.append(time.process_time() - cs)
             out.last_batch = (x, y)
             if reference is not None:
-                carry = (carry_after, carry_seed)
                 _full_steps(out, i, x, y, session, reference, reference_at, carry)
             if not math.isfinite(loss) and on_nonfinite is not None:
                 bar.close()

@@ -28,10 +28,9 @@ def test_import_etgraph_stays_light():
     import subprocess
     import sys
 
+    heavy = ("onnxruntime", "torch", "onnx_ir")
     for module in ("etgraph", "etgraph.cli"):
-        code = f"import sys, {module}; print(*(m in sys.modules for m in " + (
-            "('onnxruntime', 'torch', 'onnx_ir')))"
-        )
+        code = f"import sys, {module}; print(*(m in sys.modules for m in {heavy!r}))"
         done = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True
         )
