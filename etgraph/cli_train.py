@@ -24,6 +24,7 @@ from .cli_options import (
     verbosity_options,
 )
 from .errors import ConfigError, HeadLrScaleError, ModelError, ProfileMismatchError
+from .files import require_run_dir
 from .host import process_age_s
 from .selection import IMPORTANCE_VARIANTS, STRATEGIES
 
@@ -132,10 +133,6 @@ def train_command(ctx: click.Context, model, **opts):
     a compiled directory gives its rho, batch size, preprocessing and data unless told
     otherwise. `--resume DIR` continues an interrupted run, or extends a finished one with a
     larger --epochs."""
-    from .config import load_run_data
-    from .loop import resume, train
-    from .rundir import check_run_dir, format_summary
-
     progress = not opts["quiet"]
     if opts["resume_dir"] is not None:
         extra = given_options(ctx, allowed=("resume_dir", "quiet", "verbose", "epochs"))
@@ -144,6 +141,12 @@ def train_command(ctx: click.Context, model, **opts):
                 f"--resume DIR continues a run as configured: drop {', '.join(extra)} (or start "
                 "a new run with another --out)"
             )
+        require_run_dir(Path(opts["resume_dir"]))  # before the heavy imports below
+    from .config import load_run_data
+    from .loop import resume, train
+    from .rundir import check_run_dir, format_summary
+
+    if opts["resume_dir"] is not None:
         epochs = opts["epochs"] if given(ctx, "epochs") else None
         click.echo(format_summary(resume(opts["resume_dir"], progress=progress, epochs=epochs)))
         return

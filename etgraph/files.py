@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,20 @@ def remove_temporaries(directory: str | os.PathLike, names: Iterable[str] | None
         else:
             with contextlib.suppress(OSError):
                 p.unlink()
+
+
+def require_run_dir(out: Path) -> None:
+    """Check that ``out`` is a directory an earlier run could have written (before anything
+    heavy is imported: ``etgraph train --resume /typo`` answers at once).
+
+    Raises:
+        CheckpointError: ``out`` does not exist or is a file.
+    """
+    if not out.is_dir():
+        raise CheckpointError(
+            f"{out} is not a run directory ({'a file' if out.exists() else 'it does not exist'}): "
+            "pass the --out directory of an earlier `etgraph train`"
+        )
 
 
 def ensure_writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:

@@ -362,11 +362,7 @@ def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C,
         ConfigError: as ``load_config`` for an out-of-range setting.
     """
     path = out / RUN_FILE
-    if not out.is_dir():
-        raise CheckpointError(
-            f"{out} is not a run directory ({'a file' if out.exists() else 'it does not exist'}): "
-            "pass the --out directory of an earlier `etgraph train`"
-        )
+    files.require_run_dir(out)
     try:
         info = json.loads(path.read_text())
         config = load_config(info["config"])

@@ -35,6 +35,15 @@ def test_import_etgraph_stays_light():
             [sys.executable, "-c", code], capture_output=True, text=True, check=True
         )
         assert done.stdout.split() == ["False", "False", "False"], module
+    # a mistyped run directory is refused before the run's modules are imported (was 4-15 s)
+    code = (
+        "import sys; from etgraph.entry import main; sys.argv = ['etgraph', 'train', "
+        "'--resume', '/nowhere/run']\ntry: main()\nexcept SystemExit: pass\n"
+        f"print(*(m in sys.modules for m in {heavy!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "not a run directory" in done.stderr
+    assert done.stdout.split() == ["False", "False", "False"], done.stderr
 
 
 def digits_arrays(n: int) -> tuple[np.ndarray, np.ndarray]:
