@@ -7,8 +7,9 @@
 
 The model (a zoo name, exported at --input-size, or an .onnx file) trains on --examples digits
 5-9 (80% train: 120 images by default; upsampled to the input size, 3 channels) twice per
-repeat, side by side in one process: ``full`` (every tensor) and ``elastic`` at ``--rho``,
-alternating which goes first. ``--task animals``: issue 30's pretrained vision task instead
+repeat, side by side in one process: ``full`` (every tensor) and ``elastic`` at ``--rho`` (one
+elastic run per ``--probe-batch-sizes`` value: importance's batch), alternating the order.
+``--task animals``: issue 30's pretrained vision task instead
 (ImageNet MobileNetV2, fresh 10-class head, 96 px, Animal-MNIST silhouettes: --examples training
 images, batch 32, lr 3e-4). A run's time is what a user waits for: the ``etgraph.loop.train``
 call, start to end (sessions, selections, reference steps, validation, export). The whole-run
@@ -129,7 +130,17 @@ def main() -> None:
     ap.add_argument("--period", type=int, default=3)
     ap.add_argument("--rho", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--probe-batch-sizes",
+        default=str(TrainConfig.probe_batch_size),
+        help="comma-separated importance batch sizes: one elastic run each per repeat, "
+        "beside the same full run (e.g. 32,4: the run's batch against the paper's 4)",
+    )
     args = ap.parse_args()
+    probes = [int(v) for v in args.probe_batch_sizes.split(",")]
+    variants = {"full": None} | {
+        ("elastic" if len(probes) == 1 else f"elastic, probe {b}"): b for b in probes
+    }
     with tempfile.TemporaryDirectory(prefix="whole-run-") as tmp:
         work = Path(tmp)
         if args.task == "animals":
@@ -141,55 +152,64 @@ def main() -> None:
             batch, lr = 4, TrainConfig.learning_rate
         model = LoadedModel.load(path)
         profile = profile_model(model, batch_size=batch, cache_dir=work / "cache")
-        runs: dict[str, list[dict]] = {"full": [], "elastic": []}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
         for r in range(args.repeats):
-            order = ("full", "elastic") if r % 2 == 0 else ("elastic", "full")
-            for strategy in order:
+            order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+            for i, name in enumerate(order):
                 config = TrainConfig(
                     epochs=args.epochs,
                     period=args.period,
                     rho=args.rho,
-                    strategy=strategy,
+                    strategy="full" if variants[name] is None else "elastic",
                     data=str(data),
                     seed=r,
                     batch_size=batch,
                     learning_rate=lr,
+                    probe_batch_size=variants[name] or TrainConfig.probe_batch_size,
                 )
-                runs[strategy].append(one_run(model, profile, config, work / f"{strategy}{r}"))
-                print(f"repeat {r} {strategy}: {runs[strategy][-1]['run_s']:.1f} s", flush=True)
-    pairs = list(zip(runs["full"], runs["elastic"], strict=True))
+                runs[name].append(one_run(model, profile, config, work / f"run{r}_{i}"))
+                print(f"repeat {r} {name}: {runs[name][-1]['run_s']:.1f} s", flush=True)
+    print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
+          f"period {args.period}, rho {args.rho}, batch {batch}, {args.repeats} repeats "
+          f"(mean ± std); 1-min load average at the runs' ends "
+          f"{ms([r['load_average'] for v in runs.values() for r in v])} on {os.cpu_count()} "
+          f"cores; full run {ms([f['run_s'] for f in runs['full']])} s")  # fmt: skip
+    payload = {"args": vars(args), "runs": runs}
+    for name in list(variants)[1:]:
+        payload[name] = report(name, runs["full"], runs[name])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}.json"
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out}")
+
+
+def ms(values) -> str:
+    return f"{np.mean(values):.2f} ± {np.std(values):.2f}"
+
+
+def report(name: str, full: list[dict], elastic: list[dict]) -> dict:
+    """Print one elastic variant's whole-run speedup over the full runs of the same repeats
+    and its overhead split; return the ratios."""
+    pairs = list(zip(full, elastic, strict=True))
     speedups = [f["run_s"] / e["run_s"] for f, e in pairs]
     cpu_speedups = [f["run_cpu_s"] / e["run_cpu_s"] for f, e in pairs]
-    elastic = runs["elastic"]
     shares = {PARTS[k]: [100 * e["parts_s"][k] / e["run_s"] for e in elastic] for k in PARTS}
     rest = [
         100 * (e["run_s"] - e["steps_s"] - sum(e["parts_s"].values())) / e["run_s"] for e in elastic
     ]
-
-    def ms(values) -> str:
-        return f"{np.mean(values):.2f} ± {np.std(values):.2f}"
-
-    print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
-          f"period {args.period}, rho {args.rho}, {args.repeats} repeats (mean ± std)")  # fmt: skip
-    print(f"whole-run speedup (full run / elastic run): {ms(speedups)}x wall, "
-          f"{ms(cpu_speedups)}x process CPU time; 1-min load average at the runs' ends "
-          f"{ms([r['load_average'] for v in runs.values() for r in v])} on {os.cpu_count()} "
-          "cores")  # fmt: skip
-    print(f"full run {ms([f['run_s'] for f in runs['full']])} s, elastic run "
+    overheads = [sum(v[i] for v in shares.values()) for i in range(len(elastic))]
+    print(f"\n{name}: whole-run speedup (full run / elastic run) {ms(speedups)}x wall, "
+          f"{ms(cpu_speedups)}x process CPU time; elastic run "
           f"{ms([e['run_s'] for e in elastic])} s; first selection "
-          f"{ms([e['first_selection_s'] for e in elastic])} s")  # fmt: skip
+          f"{ms([e['first_selection_s'] for e in elastic])} s; rho achieved "
+          f"{ms([e['rho_achieved'] for e in elastic])}")  # fmt: skip
     print("| share of the elastic run (%) | " + " | ".join(shares) + " | other (val, export) |")
     print("|---|" + "---|" * (len(shares) + 1))
     print("| mean ± std | " + " | ".join(ms(v) for v in shares.values()) + f" | {ms(rest)} |")
-    print(f"overheads (importance..probe): "
-          f"{ms([sum(v[i] for v in shares.values()) for i in range(len(elastic))])} % of the run; "
-          f"accuracy full {ms([f['val_acc'] for f in runs['full']])}, elastic "
-          f"{ms([e['val_acc'] for e in elastic])}")  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}.json"
-    payload = {"args": vars(args), "runs": runs, "speedups": speedups, "cpu_speedups": cpu_speedups}
-    out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {out}")
+    accuracy = [ms([r["val_acc"] for r in runs]) for runs in (full, elastic)]
+    print(f"overheads (importance..probe): {ms(overheads)} % of the run; accuracy full "
+          f"{accuracy[0]}, elastic {accuracy[1]}")  # fmt: skip
+    return {"speedups": speedups, "cpu_speedups": cpu_speedups, "overheads": overheads}
 
 
 if __name__ == "__main__":

@@ -101,6 +101,13 @@ STARTED = time.perf_counter() - process_age_s()
 )
 @click.option("--probe-batches", default=1, show_default=True, type=int, help="Importance batches.")
 @click.option(
+    "--probe-batch-size",
+    default=4,
+    show_default=True,
+    type=int,
+    help="Examples per importance batch (at most --batch-size; paper §4: 4).",
+)
+@click.option(
     "--open-loop",
     is_flag=True,
     help="Select with the profile's time model as is (no re-fit to measured steps; repeatable).",
@@ -231,6 +238,7 @@ def _train_config(plan, opts: dict):
         data=data,
         tokenizer=tokenizer,
         probe_batches=opts["probe_batches"],
+        probe_batch_size=opts["probe_batch_size"],
         max_steps_per_epoch=opts["max_steps_per_epoch"],
         max_val_batches=opts["max_val_batches"],
         threads=opts["threads"],

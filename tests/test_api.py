@@ -280,6 +280,55 @@ def test_the_next_period_s_importance_comes_from_the_period_end_step(
 
 
 @pytest.mark.slow
+def test_importance_at_a_smaller_probe_batch_runs_in_a_session_of_its_own(
+    default_model, default_profile
+):
+    """A probe batch smaller than the run's (paper §4: 4 examples): importance runs in an
+    all-trainable session of its own at that batch, the reference steps in one at the run's
+    batch, no period-end step is carried, and each period's importance is an evaluation on its
+    own probe batch of that size at the carried weights."""
+    from etgraph.checkpoint import read_checkpoint
+    from etgraph.period import probe_seed
+
+    prof, _ = default_profile  # batch 4
+    x, y = digits_arrays(120)
+    config = etgraph.TrainConfig(
+        epochs=2,
+        period=1,
+        rho=0.6,
+        max_steps_per_epoch=6,
+        closed_loop=False,
+        spinning="off",
+        probe_batch_size=2,
+    )
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 96, 4)]
+    with etgraph.ElasticTrainer(
+        default_model, prof, config, data=batches, val_data=(x[96:], y[96:])
+    ) as trainer:
+        controller = trainer.controller
+        assert not controller.shared_session and not controller.carries_gradients
+        trainer.begin_period()
+        trainer.train_epoch()
+        info = trainer.begin_period()
+        evaluator, reference = controller.evaluator(), controller.reference_session()
+        assert evaluator.session() is not reference
+        assert evaluator.paths.directory != controller.full_artifacts()
+        probe = controller.probe_batches(1)
+        assert [len(y) for _, y in probe] == [2]
+        assert len(controller.timing_batch()[1]) == 4
+        state = read_checkpoint(trainer.checkpoint_path)[0]
+        expected = evaluator.evaluate(
+            state.weights,
+            probe,
+            config.learning_rate,
+            moments=state.moments,
+            step=state.step,
+            seed=probe_seed(config.seed, 1),
+        )
+        np.testing.assert_allclose(info.importance, expected.importance, rtol=1e-6)
+
+
+@pytest.mark.slow
 def test_dropout_masks_depend_only_on_the_run_seed(tmp_path, monkeypatch):
     """ORT draws a training graph's Dropout masks from one process-wide generator: unseeded, a
     second run with the same seed and data drew other masks than the first (every training-mode

@@ -412,6 +412,7 @@ def test_config_validation():
         (dict(period=0), "period must be a positive integer"),
         (dict(epochs=0), "epochs must be a positive integer"),
         (dict(batch_size=0), "batch size must be a positive integer"),
+        (dict(probe_batch_size=0), "probe batch size must be a positive integer"),
         (dict(strategy="random"), "unknown strategy 'random'"),
         (dict(importance="sgd"), "unknown importance 'sgd': choose one of adam, first-step"),
         (dict(learning_rate=-1.0), "learning rate must be positive"),

@@ -103,7 +103,7 @@ class FederatedClient:
         """Median full training step (every tensor, learning rate 0) on this machine, in the
         clock's source: the device's own measurement of its speed."""
         session = self.trainer.controller.reference_session()
-        x, y = self.trainer.controller.probe_batches(0)[0]
+        x, y = self.trainer.controller.timing_batch()
         clock = VirtualClock(1.0, self.config.clock)
         times = []
         for _ in range(steps):
