@@ -21,7 +21,9 @@ Runs per seed (:data:`RUNS`, all through ``etgraph.loop.train`` with the same da
 optimizer and schedule; each with its own artifact cache, as a first run on a device): full;
 elastic at rho 0.5 and 0.35 with each importance variant (adam = the optimizer's next step,
 first-step = the rule before issue 30, grad-sq, random); topk and prefix under the same
-budgets; last-layer; bn-bias; bias-only (BitFit); elastic at period 3 instead of 1; and the
+budgets; last-layer; bn-bias; bias-only (BitFit); elastic at period 3 instead of 1; elastic
+with importance on probe batches of the run's batch (``-probe-run-batch``) instead of
+``TrainConfig.probe_batch_size``'s 4; and the
 head at 10x the learning rate (``@head10``: an exact reparametrisation, see
 :class:`models.zoo.LearningRateScale`) for last-layer, full and elastic, and full and elastic
 with etgraph's own ``--head-lr-scale 10`` (``@head-lr-scale10``: the same reparametrisation as
@@ -98,6 +100,10 @@ def _runs() -> dict[str, dict]:
         runs[f"topk@{rho}"] = dict(strategy="topk", rho=rho)
         runs[f"prefix@{rho}"] = dict(strategy="prefix", rho=rho)
     runs["elastic-adam@0.5-period3"] = dict(strategy="elastic", rho=0.5, period=3)
+    # importance on probe batches of the run's batch (capped at it), the default before session 16
+    runs["elastic-adam@0.5-probe-run-batch"] = dict(
+        strategy="elastic", rho=0.5, probe_batch_size=1024
+    )
     for strategy in ("last-layer", "bn-bias", "bias-only"):
         runs[strategy] = dict(strategy=strategy)
     runs["last-layer@head10"] = dict(strategy="last-layer", head_scale=HEAD_SCALE)
