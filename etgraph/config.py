@@ -131,6 +131,11 @@ class TrainConfig:
     importance: str = "adam"
     head_lr_scale: float = 1.0
 
+    @property
+    def importance_batch_size(self) -> int:
+        """The probe batches' size: ``probe_batch_size``, at most ``batch_size``."""
+        return min(self.probe_batch_size, self.batch_size)
+
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
         positive = {
@@ -247,8 +252,7 @@ def load_run_data(
         preprocess=config.preprocess,
         **kwargs,
     )
-    probe_batch_size = min(config.probe_batch_size, config.batch_size)
-    dataset.check_probe_batches(probe_batch_size, config.probe_batches)
+    dataset.check_probe_batches(config.importance_batch_size, config.probe_batches)
     return dataset
 
 

@@ -218,7 +218,7 @@ class PeriodController:
     def probe_batch_size(self) -> int:
         """Importance's batch size: the config's ``probe_batch_size``, at most the run's batch
         (paper §4: a batch of 4 keeps the importance ranking at under 1% of the computation)."""
-        return min(self.config.probe_batch_size, self.config.batch_size)
+        return self.config.importance_batch_size
 
     @property
     def shared_session(self) -> bool:
