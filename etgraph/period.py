@@ -358,22 +358,21 @@ class PeriodController:
 
     def use_options(self, changed: bool, winner: GradientSession | None) -> None:
         """Follow a choice of session options (:meth:`etgraph.ort_probe.OrtOptions.choose`):
-        the probe's winner becomes the reference and importance session; options changed
-        without a probe close the sessions open with the old ones."""
+        the probe's winner becomes the reference session (and importance's, when they share
+        one); options changed close the other sessions open with the old ones."""
         config = self.options.config
+        shared = self.config.strategy in IMPORTANCE_STRATEGIES and self.shared_session
+        if winner is not None or changed:
+            self._reference = None  # open with other options
+        if self._evaluator is not None and changed and not (winner is not None and shared):
+            self._evaluator.config = config
+            self._evaluator.close()
         if winner is not None:
-            self._reference = None  # the winner replaces any session open with other options
-            if self.config.strategy in IMPORTANCE_STRATEGIES and self.shared_session:
-                self.evaluator().config = config  # one session serves both
+            if shared:  # one session serves both
+                self.evaluator().config = config
                 self.evaluator().adopt(winner)
+            if self.config.strategy != "full":
                 self._reference = winner
-            elif self.config.strategy != "full":
-                self._reference = winner
-        elif changed:
-            self._reference = None
-            if self._evaluator is not None:
-                self._evaluator.config = config
-                self._evaluator.close()
 
     def _steps_rho(self, rho: float) -> float:
         """The fraction of the full step the run's steps take (1 under the full strategy)."""

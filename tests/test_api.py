@@ -326,6 +326,10 @@ def test_importance_at_a_smaller_probe_batch_runs_in_a_session_of_its_own(
             seed=probe_seed(config.seed, 1),
         )
         np.testing.assert_allclose(info.importance, expected.importance, rtol=1e-6)
+        session = evaluator.session()
+        controller.use_options(True, reference)  # options changed, a full session won
+        assert controller.reference_session() is reference
+        assert evaluator.session() is not session  # reopened with the new options
 
 
 @pytest.mark.slow
