@@ -114,6 +114,9 @@ def _runs() -> dict[str, dict]:
     runs["elastic-adam@0.5@head-lr-scale10"] = dict(
         strategy="elastic", rho=0.5, head_lr_scale=HEAD_SCALE
     )
+    runs["elastic-adam@0.5@head-lr-scale10-probe-run-batch"] = dict(
+        strategy="elastic", rho=0.5, head_lr_scale=HEAD_SCALE, probe_batch_size=1024
+    )
     for strategy in ("topk", "prefix"):  # the selectors that ignore importance, alike
         runs[f"{strategy}@0.5@head-lr-scale10"] = dict(
             strategy=strategy, rho=0.5, head_lr_scale=HEAD_SCALE

@@ -148,7 +148,10 @@ def test_compile_shows_progress_and_train_dir_uses_the_compiled_data(tmp_path, c
     quiet = run_cli(
         "compile", "-q", "--data", images, "-o", compiled, "--rho", "0.9", env=cache_env
     )
-    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr[-2000:]
+    # nothing but the profiler's warnings of a loaded machine (it profiles again when a
+    # profile measured under load did not reproduce: load-dependent)
+    noise = [line for line in quiet.stderr.splitlines() if not line.startswith("WARNING")]
+    assert quiet.returncode == 0 and noise == [], quiet.stderr[-2000:]
     out = tmp_path / "run"
     done = run_cli("train", compiled, "--epochs", "1", "--period", "1", "-o", out, *QUICK,
                    env=cache_env)  # fmt: skip
