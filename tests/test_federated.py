@@ -344,6 +344,46 @@ def test_a_client_whose_period_start_leaves_no_time_for_a_step_uploads_nothing(
         client.close()
 
 
+@pytest.mark.slow
+def test_each_client_draws_its_own_random_numbers_each_round_and_a_rerun_draws_alike(
+    monkeypatch, cache_env
+):
+    """Every client of a run trained on the run's seed: in a round all of them drew the same
+    Dropout masks (and data order and probe batches). Each client now has its own seed (from
+    the run's and its id), its steps' masks keyed further by the round; a client built again
+    draws what it drew."""
+    pytest.importorskip("flwr")
+    from etgraph import sessions
+    from etgraph.federated.client import FederatedClient
+
+    monkeypatch.setenv("ETGRAPH_CACHE", cache_env["ETGRAPH_CACHE"])
+    drawn, seed_random = [], sessions.seed_random
+
+    def record(seed):  # the seeds of ORT's generator: each step's Dropout masks
+        drawn.append(seed)
+        seed_random(seed)
+
+    monkeypatch.setattr(sessions, "seed_random", record)
+    config = FederateConfig(clients=8, rounds=2, strategy="fedavg-full", partition="iid", seed=3)
+
+    def round_seeds(client, server_round):
+        drawn.clear()
+        client.train_round(server_round, client.trainer.get_weights())
+        return [s for s in drawn if s is not None]
+
+    clients = [FederatedClient(config, 0), FederatedClient(config, 1)]
+    try:
+        first, other = round_seeds(clients[0], 1), round_seeds(clients[1], 1)
+        assert len(first) == clients[0].steps_per_epoch and not set(first) & set(other)
+        assert not set(round_seeds(clients[0], 2)) & set(first)  # round to round
+        assert clients[0].trainer.config.seed != clients[1].trainer.config.seed  # probes too
+        clients.append(FederatedClient(config, 0))
+        assert round_seeds(clients[-1], 1) == first  # a re-run draws alike
+    finally:
+        for client in clients:
+            client.close()
+
+
 # ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,9 @@ A round (:meth:`FederatedClient.train_round`), all on the device's virtual clock
 
 The device's trainer is kept between rounds (a Flower ``ClientApp`` is called once per
 message; the Ray worker that runs it lives on); its one-time setup (model, profile, trainer, a
-measured full step, a calibration of a round's fixed costs) is not part of any round.
+measured full step, a calibration of a round's fixed costs) is not part of any round. Each
+device draws from its own seed (:meth:`FederateConfig.client_seed`), not the run's: clients
+sharing the run's seed drew the same Dropout masks, data order and probe batches in a round.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ class FederatedClient:
         task = self.task
         data = task.client_data(self.partition_id)
         strategy = "elastic" if config.elastic else "full"
-        train_config = dataclasses.replace(task.train_config, strategy=strategy, rho=1.0)
+        self.seed = config.client_seed(self.partition_id)  # this device's draws (not the run's)
+        train_config = dataclasses.replace(
+            task.train_config, strategy=strategy, rho=1.0, seed=self.seed
+        )
         self.trainer = ElasticTrainer(
             task.model, task.profile, train_config, data=data, artifacts_root=_artifacts_root()
         )
@@ -252,11 +257,11 @@ class FederatedClient:
 
     def _batches(self, server_round: int, steps: int):
         """The round's training batches: epochs over the client's data, reshuffled per round
-        and epoch (seed ``seed * 1000 + round * 10 + epoch``)."""
+        and epoch (seed ``client seed * 1000 + round * 10 + epoch``)."""
         ds, b = self.trainer.dataset, self.trainer.config.batch_size
         epoch = 0
         while True:
-            seed = self.config.seed * 1000 + server_round * 10 + epoch
+            seed = self.seed * 1000 + server_round * 10 + epoch
             yield from ds.train_batches(b, seed=seed)
             epoch += 1
             if epoch * self.steps_per_epoch >= steps:
