@@ -117,22 +117,30 @@ class FederatedClient:
             times.append(clock.measured_s())
         return float(np.median(times))
 
-    def _calibrate(self, rounds: int = 2) -> None:
-        """Measure a round's costs outside its steps before the first round (set the weights,
-        the period start at the cheapest rho, the period end and the upload), as a round
-        has them: the last of ``rounds`` dry rounds, nothing trained."""
+    def _calibrate(self, rounds: int = 2, steps: int = 3) -> None:
+        """Measure a round's costs outside its steady steps before the first round (set the
+        weights, the period start at the cheapest rho, the first of ``steps`` steps less the
+        median of the others, the period end and the upload), as a round has them: the last
+        of ``rounds`` dry rounds, the weights set back after each."""
         trainer = self.trainer
         weights = trainer.get_weights()
+        x, y = trainer.controller.probe_batches(0)[0]
         for _ in range(rounds):
             clock = VirtualClock(self.speed, self.config.clock)
             trainer.set_weights(weights, reset_moments=True)
             info = trainer.begin_period(self.floor_rho)
             clock.discount(self._artifacts_time(info))
             begin_s = clock.elapsed_s()
+            step_s = []
+            for _ in range(steps):
+                clock.start()
+                trainer.step(x, y)
+                step_s.append(clock.elapsed_s())
             clock.start()
             trainer.end_period()
             trainer.trained_weights()
-            self.costs = RoundCosts(begin_s, clock.elapsed_s())
+            first_s = step_s[0] - float(np.median(step_s[1:]))
+            self.costs = RoundCosts(begin_s, clock.elapsed_s(), first_s)
         trainer.set_weights(weights, reset_moments=True)
 
     def _artifacts_time(self, info) -> float:
@@ -178,7 +186,7 @@ class FederatedClient:
                 left_s=target - clock.elapsed_s(),
                 steps=planned,
                 full_step_s=full_s,
-                fixed_s=self.costs.begin_s + self.costs.end_s,
+                fixed_s=self.costs.fixed_s,
                 floor_rho=self.floor_rho,
             )
             rho, steps, partial = plan.rho, plan.steps, plan.partial
@@ -203,11 +211,17 @@ class FederatedClient:
             share = info.predicted_step_us / trainer.profile.t_full_us
             step_guess = full_s * share
             trainer.global_step = (server_round - 1) * planned  # the cosine's place: resumable
+            first_s = self.costs.first_step_s  # the new session's first step costs more
             for x, y in self._batches(server_round, planned):
                 if len(losses) >= steps:
                     break
                 if target is not None and cfg.elastic:
-                    expected = float(np.mean(step_s)) if step_s else step_guess
+                    if not step_s:
+                        expected = step_guess + first_s
+                    elif len(step_s) == 1:
+                        expected = max(step_guess, step_s[0] - first_s)
+                    else:
+                        expected = float(np.mean(step_s[1:]))
                     if clock.elapsed_s() + expected + self.costs.end_s > target:
                         break
                 t0 = clock.elapsed_s()
@@ -221,13 +235,17 @@ class FederatedClient:
             upload = trainer.trained_weights() if losses else {}
         else:
             t_end = clock.elapsed_s()
-        timed = step_s[1:] if len(step_s) > 1 else step_s  # the first step of a new session
+        timed = step_s[1:]  # steady steps: the first one of a new session costs more
         mean_step = float(np.mean(timed)) if timed else float("nan")
-        if info is not None and timed:
-            predicted = full_s * info.predicted_step_us / trainer.profile.t_full_us
-            self.correction *= float(np.clip(mean_step / predicted, 0.5, 2.0))
+        first_extra = None
+        if step_s:  # a period started: step_guess is its predicted step
+            if timed:
+                self.correction *= float(np.clip(mean_step / step_guess, 0.5, 2.0))
+            first_extra = step_s[0] - (mean_step if timed else step_guess)
         self.costs.observe(  # the next rounds' estimates
-            begin_s=begin_s if info is not None else None, end_s=clock.elapsed_s() - t_end
+            begin_s=begin_s if info is not None else None,
+            end_s=clock.elapsed_s() - t_end,
+            first_step_s=first_extra,
         )
         if fault == "hang":
             time.sleep((round_timeout_s or 0.0) + HANG_EXTRA_S)
