@@ -121,11 +121,11 @@ class FederatedClient:
         """Measure a round's costs outside its steady steps before the first round, as a round
         has them, in dry rounds (:meth:`_dry_round`): a warm-up at the cheapest rho (first-time
         costs, not kept), one at the cheapest rho, and one at the rho the first round's plan
-        gives with those costs; the plan takes the worst. A larger selection's period start
-        and end cost more (its session; its checkpoint and upload): MobileNetV2's period start
-        took 0.67 s of CPU at 2 tensors and 0.88-1.0 s at 112-114, and calibrated at the
-        cheapest rho alone an s = 8 client's first round at rho 0.82 ended at 1.08x the
-        deadline (issue 29)."""
+        gives with those costs; the plan takes the worst. A larger selection's period end
+        (its checkpoint and upload) and start cost more: MobileNetV2's end took 0.07-0.10 s of
+        CPU at 2 tensors and 0.16-0.25 s at rho 0.3-1, and calibrated at the cheapest rho
+        alone an s = 8 client's first round at rho 0.82 ended at 1.08x the deadline (issue
+        29, docs/results.md)."""
         weights = self.trainer.get_weights()
         self._dry_round(weights, self.floor_rho)
         self.costs = RoundCosts(*self._dry_round(weights, self.floor_rho))
