@@ -5,6 +5,7 @@ end, a crashing client and a late one, and resume after a kill (slow)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -155,6 +156,9 @@ def test_a_client_plans_with_the_worst_of_its_recent_fixed_costs():
     for _ in range(COST_MEMORY):
         costs.observe(begin_s=1.0, end_s=0.4)
     assert costs.begin_s == 1.0  # forgotten after COST_MEMORY rounds
+    costs.observe(begin_s=1.0, end_s=0.4, first_step_s=0.7)  # a new session's first step
+    costs.observe(begin_s=1.0, end_s=0.4, first_step_s=-0.1)  # (noise: below a steady one)
+    assert costs.first_step_s == 0.7 and costs.fixed_s == pytest.approx(1.0 + 0.7 + 0.4)
 
 
 # ---- FedEL's switches -------------------------------------------------------------------------
@@ -344,6 +348,122 @@ def test_a_client_whose_period_start_leaves_no_time_for_a_step_uploads_nothing(
         client.close()
 
 
+@pytest.mark.slow
+def test_a_client_plans_for_the_slower_first_step_of_a_new_session(monkeypatch, cache_env):
+    """A new session's first step costs more than the steady steps the plan assumes (s = 8
+    clients of the MobileNetV2 task whose plan afforded one step ended at 1.05-1.08x the
+    deadline, issue 29). Here a first step 0.15 s of CPU longer (1.5 virtual s at s = 10):
+    calibrated and planned for, a client that cannot afford it takes no step and ends in time
+    (planned as a steady step, it ran and ended late); one that can trains and ends in time."""
+    pytest.importorskip("flwr")
+    from etgraph.federated.client import FederatedClient
+    from etgraph.trainer import ElasticTrainer
+
+    monkeypatch.setenv("ETGRAPH_CACHE", cache_env["ETGRAPH_CACHE"])
+    fresh, begin, step = set(), ElasticTrainer.begin_period, ElasticTrainer.step
+
+    def begin_period(self, *args, **kwargs):
+        fresh.add(id(self))
+        return begin(self, *args, **kwargs)
+
+    def slow_first_step(self, *args):
+        if id(self) in fresh:  # the period's new session
+            fresh.discard(id(self))
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.15:
+                pass
+        return step(self, *args)
+
+    monkeypatch.setattr(ElasticTrainer, "begin_period", begin_period)
+    monkeypatch.setattr(ElasticTrainer, "step", slow_first_step)
+    config = FederateConfig(
+        clients=8, rounds=2, round_deadline_s=1.5, speeds=(10.0,), strategy="elastic"
+    )
+    client = FederatedClient(config, 0)
+    try:
+        assert client.costs.first_step_s > 1.0  # calibrated: 1.5 virtual s
+        m = client.train_round(1, client.trainer.get_weights()).metrics
+        assert m["round-time-s"] <= 1.5 * 1.05 and m["steps"] == 0, m
+        client.config = dataclasses.replace(config, round_deadline_s=4.0)
+        m = client.train_round(2, client.trainer.get_weights()).metrics
+        assert m["round-time-s"] <= 4.0 * 1.05 and m["steps"] > 1, m
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_client_calibrates_its_round_costs_at_the_selection_it_will_train(monkeypatch, cache_env):
+    """A larger selection's period end (its checkpoint, its upload) and start cost more;
+    calibrated at the cheapest selection alone, an s = 8 client of the MobileNetV2 task ended
+    its first round at 1.08x the deadline (issue 29). Here the end costs 20 ms of CPU per
+    selected tensor (s = 10): calibrated at the first round's planned rho too, the client
+    plans for it and ends round 1 in time (planned at the cheapest selection's cost, it ran
+    late)."""
+    pytest.importorskip("flwr")
+    from etgraph.federated.client import FederatedClient
+    from etgraph.trainer import ElasticTrainer
+
+    monkeypatch.setenv("ETGRAPH_CACHE", cache_env["ETGRAPH_CACHE"])
+    end = ElasticTrainer.end_period
+
+    def costly_end(self):
+        t0, n = time.thread_time(), int(np.count_nonzero(self._mask))
+        while time.thread_time() - t0 < 0.02 * n:
+            pass
+        return end(self)
+
+    monkeypatch.setattr(ElasticTrainer, "end_period", costly_end)
+    config = FederateConfig(
+        clients=8, rounds=2, round_deadline_s=4.0, speeds=(10.0,), strategy="elastic"
+    )
+    client = FederatedClient(config, 0)
+    try:
+        m = client.train_round(1, client.trainer.get_weights()).metrics
+        assert m["round-time-s"] <= 4.0 * 1.05 and m["steps"] > 0, m
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_each_client_draws_its_own_random_numbers_each_round_and_a_rerun_draws_alike(
+    monkeypatch, cache_env
+):
+    """Every client of a run trained on the run's seed: in a round all of them drew the same
+    Dropout masks (and data order and probe batches). Each client now has its own seed (from
+    the run's and its id), its steps' masks keyed further by the round; a client built again
+    draws what it drew."""
+    pytest.importorskip("flwr")
+    from etgraph import sessions
+    from etgraph.federated.client import FederatedClient
+
+    monkeypatch.setenv("ETGRAPH_CACHE", cache_env["ETGRAPH_CACHE"])
+    drawn, seed_random = [], sessions.seed_random
+
+    def record(seed):  # the seeds of ORT's generator: each step's Dropout masks
+        drawn.append(seed)
+        seed_random(seed)
+
+    monkeypatch.setattr(sessions, "seed_random", record)
+    config = FederateConfig(clients=8, rounds=2, strategy="fedavg-full", partition="iid", seed=3)
+
+    def round_seeds(client, server_round):
+        drawn.clear()
+        client.train_round(server_round, client.trainer.get_weights())
+        return [s for s in drawn if s is not None]
+
+    clients = [FederatedClient(config, 0), FederatedClient(config, 1)]
+    try:
+        first, other = round_seeds(clients[0], 1), round_seeds(clients[1], 1)
+        assert len(first) == clients[0].steps_per_epoch and not set(first) & set(other)
+        assert not set(round_seeds(clients[0], 2)) & set(first)  # round to round
+        assert clients[0].trainer.config.seed != clients[1].trainer.config.seed  # probes too
+        clients.append(FederatedClient(config, 0))
+        assert round_seeds(clients[-1], 1) == first  # a re-run draws alike
+    finally:
+        for client in clients:
+            client.close()
+
+
 # ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,47 +514,57 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-SIMULATE = """
-import json, sys
-from etgraph.federated import FederateConfig
-from etgraph.federated.run import federate
-config = FederateConfig.from_json(json.loads(sys.argv[1]))
-print(json.dumps(federate(config, sys.argv[2])))
-"""
-
-
 @pytest.mark.slow
-def test_a_simulation_trains_within_deadlines_and_survives_a_crash_and_a_late_client(
+def test_a_killed_run_with_faulty_clients_resumes_and_trains_within_deadlines(
     tmp_path, cache_env, default_model
 ):
-    """Three clients of speeds 1, 4 and 8 on the default model, two rounds of elastic-fedel on
-    Flower's simulation engine: client 2 runs late in round 1 (dropped), client 1 crashes in
-    round 2 (recorded as failed); the rounds are aggregated without them. The run directory
-    holds one record per round with every client's entry, the checkpoint, the summary, the
-    plots and the exported global model."""
+    """``etgraph federate``, three clients of speeds 1, 4 and 8 on the default model, three
+    rounds of elastic-fedel on Flower's simulation engine: client 2 runs late in round 1
+    (dropped), client 1 crashes in round 3 (recorded as failed; a client is known by its
+    replies, and the simulation's node ids are new after a resume); the rounds are aggregated
+    without them. The run is killed (SIGKILL, with its Ray processes) after round 1 and
+    ``--resume`` continues from the server's checkpoint, running rounds 2 and 3 once and
+    keeping round 1's record as it was. The run directory holds one record per round with
+    every client's entry, the checkpoint, the summary, the plots and the exported global
+    model; a new run into it is refused."""
     pytest.importorskip("flwr")
+    from tests.helpers import assert_user_error, run_cli_in_process
+
     out = tmp_path / "run"
-    config = FederateConfig(
-        clients=3,
-        rounds=2,
-        round_deadline_s=2.0,
-        speeds=(1, 4, 8),
-        strategy="elastic-fedel",
-        faults=("2:late:1", "1:crash:2"),
+    args = [sys.executable, "-m", "etgraph", "federate", "--clients", "3", "--rounds", "3"]
+    args += ["--round-deadline", "2s", "--speeds", "1,4,8", "--strategy", "elastic-fedel"]
+    args += ["--fault", "2:late:1", "--fault", "1:crash:3", "-q", "-o", str(out)]
+    proc = subprocess.Popen(
+        args, env=_env(cache_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end and proc.poll() is None:
+            if (out / "server.json").exists():
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        first = (out / "log.jsonl").read_text().splitlines()[0]
+    finally:
+        _stop(_descendants(proc.pid), grace_s=0.0)  # SIGKILL: the run and its Ray processes
+        proc.wait()
+    assert json.loads((out / "server.json").read_text())["round"] == 1
     done = subprocess.run(
-        [sys.executable, "-c", SIMULATE, json.dumps(config.to_json()), str(out)],
+        [sys.executable, "-m", "etgraph", "federate", "--resume", str(out), "-q"],
         env=_env(cache_env),
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [1, 2]
+    assert "strategy elastic-fedel: 3 rounds" in done.stdout
+    lines = (out / "log.jsonl").read_text().splitlines()
+    assert lines[0] == first  # the round before the kill is kept as it was
+    records = [json.loads(line) for line in lines]
+    assert [r["round"] for r in records] == [1, 2, 3]
     status = {(r["round"], c["client"]): c["status"] for r in records for c in r["clients"]}
-    assert status[(1, 2)] == "late" and status[(2, 1)] == "failed"
-    assert status[(1, 0)] == status[(1, 1)] == status[(2, 0)] == status[(2, 2)] == "ok"
+    assert status.pop((1, 2)) == "late" and status.pop((3, 1)) == "failed"
+    assert set(status.values()) == {"ok"} and len(status) == 7
     n = len(default_model.names)
     for r in records:
         assert r["virtual_time_s"] > 0 and 0 <= r["val_acc"] <= 1 and len(r["coverage"]) == n
@@ -445,65 +575,25 @@ def test_a_simulation_trains_within_deadlines_and_survives_a_crash_and_a_late_cl
                 assert c["round_time_s"] <= 2.0 * 1.05
     late = next(c for c in records[0]["clients"] if c["client"] == 2)
     assert late["round_time_s"] > 2.0 * 1.05  # it replied, but too late to count
-    slow = next(c for c in records[1]["clients"] if c["client"] == 2)
-    fast = next(c for c in records[1]["clients"] if c["client"] == 0)
+    slow = next(c for c in records[2]["clients"] if c["client"] == 2)
+    fast = next(c for c in records[2]["clients"] if c["client"] == 0)
     assert slow["n_tensors"] < n and slow["upload_bytes"] < fast["upload_bytes"]  # only what
-    assert records[1]["val_acc"] > records[0]["initial_val_acc"]  # it trained
+    assert records[2]["val_acc"] > records[0]["initial_val_acc"]  # it trained
     for name in ("summary.json", "accuracy.png", "tensors.png", "model_trained.onnx"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status_counts"] == {"ok": 4, "late": 1, "failed": 1}
-
-
-@pytest.mark.slow
-def test_a_killed_federated_run_resumes_from_its_last_round(tmp_path, cache_env):
-    """``etgraph federate`` killed (SIGKILL, with its Ray processes) after its first round:
-    ``--resume`` continues from the server's checkpoint and runs the remaining rounds once."""
-    pytest.importorskip("flwr")
-    out = tmp_path / "run"
-    args = [sys.executable, "-m", "etgraph", "federate", "--clients", "2", "--rounds", "3"]
-    args += ["--strategy", "fedavg-full", "--speeds", "1,2", "-q", "-o", str(out)]
-    proc = subprocess.Popen(
-        args, env=_env(cache_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
-        end = time.monotonic() + 600
-        while time.monotonic() < end and proc.poll() is None:
-            if (out / "server.json").exists():
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        first = (out / "log.jsonl").read_text().splitlines()[0]
-    finally:
-        _stop(_descendants(proc.pid), grace_s=0.0)  # SIGKILL: the run and its Ray processes
-        proc.wait()
-    assert json.loads((out / "server.json").read_text())["round"] >= 1
-    done = subprocess.run(
-        [sys.executable, "-m", "etgraph", "federate", "--resume", str(out), "-q"],
-        env=_env(cache_env),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = (out / "log.jsonl").read_text().splitlines()
-    assert [json.loads(x)["round"] for x in lines] == [1, 2, 3]
-    assert lines[0] == first  # the round before the kill is kept as it was
-    assert "strategy fedavg-full: 3 rounds" in done.stdout
-    again = subprocess.run(
-        [sys.executable, "-m", "etgraph", "federate", "-o", str(out), "--strategy", "fedavg-full"],
-        env=_env(cache_env),
-        capture_output=True,
-        text=True,
-    )
-    assert again.returncode == 1 and "--resume" in again.stderr
+    assert summary["status_counts"] == {"ok": 7, "late": 1, "failed": 1}
+    again = run_cli_in_process("federate", "-o", out, "--strategy", "fedavg-full", env=cache_env)
+    assert_user_error(again, "--resume")
 
 
 @pytest.mark.slow
 def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
     """The README's deployment path: one ``flower-superlink``, two ``flower-supernode``
     processes (partition and speed in their node config) and ``flwr run`` of etgraph's app
-    directory; every process it started is stopped at the end."""
+    directory; every process it started is stopped at the end. One round (each costs ~20 s of
+    new processes, a ClientApp process per message, and Flower's 3-s polls): a later round of
+    clients built afresh, as every deployed round's are, is the resumed run's above."""
     pytest.importorskip("flwr")
     import shutil
     import socket
@@ -519,7 +609,7 @@ def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     return
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise AssertionError(f"nothing listens on port {port} after {timeout_s:.0f} s")
 
     home = tmp_path / "flwr-home"
@@ -536,6 +626,7 @@ def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
     # used without activating it)
     path = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
     env = {**_env(cache_env), "FLWR_HOME": str(home), "PATH": path}
+    env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.1"  # apps start 0.1 s after a task, not 1 s
     started = []
     try:
         started.append(
@@ -559,12 +650,10 @@ def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
                     stderr=subprocess.DEVNULL,
                 )
             )
-        for port in nodes:
-            wait_for(port)
-        out = tmp_path / "run"
+        out = tmp_path / "run"  # the server waits for both SuperNodes to connect
         run = subprocess.run(
             [bin_dir / "flwr", "run", str(app), "etgraph-local", "--stream"]
-            + ["--run-config", f'out="{out}" rounds=2'],
+            + ["--run-config", f'out="{out}" rounds=1'],
             env=env,
             capture_output=True,
             text=True,
@@ -572,7 +661,7 @@ def test_the_flower_deployment_runs_on_localhost(tmp_path, cache_env):
         )
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in records] == [1, 2]
+        assert [r["round"] for r in records] == [1]
         speeds = {c["client"]: c["speed"] for c in records[-1]["clients"]}
         assert speeds == {0: 1.0, 1: 4.0}  # from each SuperNode's node config
         assert all(c["status"] == "ok" for r in records for c in r["clients"])

@@ -89,6 +89,13 @@ def _round_line(record: dict) -> str:
 @click.option(
     "--global-importance", default=None, type=float, help="Weight of the server's importance."
 )
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    help="Make a client fail, for testing a fleet: ID:KIND:ROUND, KIND crash, hang or late "
+    "(repeatable).",
+)
 @click.option("-o", "--out", "out", default=None, type=click.Path(), help="Run directory.")
 @click.option("--resume", "resume_dir", default=None, type=click.Path(), help="Continue a run.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines (results and errors only).")
@@ -136,6 +143,7 @@ def federate_command(model, **opts):
         clock=opts["clock"],
         window=opts["window"],
         global_importance=opts["global_importance"],
+        faults=tuple(opts["faults"]),
     )
     summary = federate(config, opts["out"], on_round=progress, verbose=opts["verbose"])
     click.echo(format_summary(summary, opts["out"]))

@@ -19,7 +19,9 @@ A round (:meth:`FederatedClient.train_round`), all on the device's virtual clock
 
 The device's trainer is kept between rounds (a Flower ``ClientApp`` is called once per
 message; the Ray worker that runs it lives on); its one-time setup (model, profile, trainer, a
-measured full step, a calibration of a round's fixed costs) is not part of any round.
+measured full step, a calibration of a round's fixed costs) is not part of any round. Each
+device draws from its own seed (:meth:`FederateConfig.client_seed`), not the run's: clients
+sharing the run's seed drew the same Dropout masks, data order and probe batches in a round.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..files import private_temp_dir
 from ..timing import min_feasible_rho
 from ..trainer import ElasticTrainer
 from . import fedel
-from .clock import RoundCosts, VirtualClock, plan_round
+from .clock import RoundCosts, RoundPlan, VirtualClock, plan_round
 from .config import FederateConfig
 from .task import Task, load_task
 
@@ -78,7 +80,10 @@ class FederatedClient:
         task = self.task
         data = task.client_data(self.partition_id)
         strategy = "elastic" if config.elastic else "full"
-        train_config = dataclasses.replace(task.train_config, strategy=strategy, rho=1.0)
+        self.seed = config.client_seed(self.partition_id)  # this device's draws (not the run's)
+        train_config = dataclasses.replace(
+            task.train_config, strategy=strategy, rho=1.0, seed=self.seed
+        )
         self.trainer = ElasticTrainer(
             task.model, task.profile, train_config, data=data, artifacts_root=_artifacts_root()
         )
@@ -112,23 +117,54 @@ class FederatedClient:
             times.append(clock.measured_s())
         return float(np.median(times))
 
-    def _calibrate(self, rounds: int = 2) -> None:
-        """Measure a round's costs outside its steps before the first round (set the weights,
-        the period start at the cheapest rho, the period end and the upload), as a round
-        has them: the last of ``rounds`` dry rounds, nothing trained."""
+    def _calibrate(self) -> None:
+        """Measure a round's costs outside its steady steps before the first round, as a round
+        has them, in dry rounds (:meth:`_dry_round`): a warm-up at the cheapest rho (first-time
+        costs, not kept), one at the cheapest rho, and one at the rho the first round's plan
+        gives with those costs; the plan takes the worst. A larger selection's period end
+        (its checkpoint and upload) and start cost more: MobileNetV2's end took 0.07-0.10 s of
+        CPU at 2 tensors and 0.16-0.25 s at rho 0.3-1, and calibrated at the cheapest rho
+        alone an s = 8 client's first round at rho 0.82 ended at 1.08x the deadline (issue
+        29, docs/results.md)."""
+        weights = self.trainer.get_weights()
+        self._dry_round(weights, self.floor_rho)
+        self.costs = RoundCosts(*self._dry_round(weights, self.floor_rho))
+        rho = self._plan(DEADLINE_TARGET * self.config.deadline_s).rho
+        begin_s, end_s, first_s = self._dry_round(weights, rho)
+        self.costs.observe(begin_s=begin_s, end_s=end_s, first_step_s=first_s)
+        self.trainer.set_weights(weights, reset_moments=True)
+
+    def _dry_round(self, weights: dict, rho: float, steps: int = 3) -> tuple[float, float, float]:
+        """A round's costs at ``rho`` with nothing kept (``weights`` set first): the period
+        start, the period end and upload, and the first of ``steps`` steps less the median of
+        the others; virtual s."""
         trainer = self.trainer
-        weights = trainer.get_weights()
-        for _ in range(rounds):
-            clock = VirtualClock(self.speed, self.config.clock)
-            trainer.set_weights(weights, reset_moments=True)
-            info = trainer.begin_period(self.floor_rho)
-            clock.discount(self._artifacts_time(info))
-            begin_s = clock.elapsed_s()
-            clock.start()
-            trainer.end_period()
-            trainer.trained_weights()
-            self.costs = RoundCosts(begin_s, clock.elapsed_s())
+        x, y = trainer.controller.probe_batches(0)[0]
+        clock = VirtualClock(self.speed, self.config.clock)
         trainer.set_weights(weights, reset_moments=True)
+        info = trainer.begin_period(rho)
+        clock.discount(self._artifacts_time(info))
+        begin_s = clock.elapsed_s()
+        step_s = []
+        for _ in range(steps):
+            clock.start()
+            trainer.step(x, y)
+            step_s.append(clock.elapsed_s())
+        clock.start()
+        trainer.end_period()
+        trainer.trained_weights()
+        return begin_s, clock.elapsed_s(), step_s[0] - float(np.median(step_s[1:]))
+
+    def _plan(self, left_s: float) -> RoundPlan:
+        """The round's plan (:func:`plan_round`) with ``left_s`` virtual s left, from this
+        device's full step (as corrected) and its planned fixed costs."""
+        return plan_round(
+            left_s=left_s,
+            steps=self.config.local_epochs * self.steps_per_epoch,
+            full_step_s=self.speed * self.full_step_s * self.correction,
+            fixed_s=self.costs.fixed_s,
+            floor_rho=self.floor_rho,
+        )
 
     def _artifacts_time(self, info) -> float:
         """The period start's artifact generation, in the clock's source (taken off it)."""
@@ -169,13 +205,7 @@ class FederatedClient:
         full_s = self.speed * self.full_step_s * self.correction  # what it believes (virtual)
         rho, steps, partial = 1.0, planned, False
         if cfg.elastic and target is not None:
-            plan = plan_round(
-                left_s=target - clock.elapsed_s(),
-                steps=planned,
-                full_step_s=full_s,
-                fixed_s=self.costs.begin_s + self.costs.end_s,
-                floor_rho=self.floor_rho,
-            )
+            plan = self._plan(target - clock.elapsed_s())
             rho, steps, partial = plan.rho, plan.steps, plan.partial
         local: list[np.ndarray] = []
         bounds = None
@@ -198,11 +228,17 @@ class FederatedClient:
             share = info.predicted_step_us / trainer.profile.t_full_us
             step_guess = full_s * share
             trainer.global_step = (server_round - 1) * planned  # the cosine's place: resumable
+            first_s = self.costs.first_step_s  # the new session's first step costs more
             for x, y in self._batches(server_round, planned):
                 if len(losses) >= steps:
                     break
                 if target is not None and cfg.elastic:
-                    expected = float(np.mean(step_s)) if step_s else step_guess
+                    if not step_s:
+                        expected = step_guess + first_s
+                    elif len(step_s) == 1:
+                        expected = max(step_guess, step_s[0] - first_s)
+                    else:
+                        expected = float(np.mean(step_s[1:]))
                     if clock.elapsed_s() + expected + self.costs.end_s > target:
                         break
                 t0 = clock.elapsed_s()
@@ -216,13 +252,17 @@ class FederatedClient:
             upload = trainer.trained_weights() if losses else {}
         else:
             t_end = clock.elapsed_s()
-        timed = step_s[1:] if len(step_s) > 1 else step_s  # the first step of a new session
+        timed = step_s[1:]  # steady steps: the first one of a new session costs more
         mean_step = float(np.mean(timed)) if timed else float("nan")
-        if info is not None and timed:
-            predicted = full_s * info.predicted_step_us / trainer.profile.t_full_us
-            self.correction *= float(np.clip(mean_step / predicted, 0.5, 2.0))
+        first_extra = None
+        if step_s:  # a period started: step_guess is its predicted step
+            if timed:
+                self.correction *= float(np.clip(mean_step / step_guess, 0.5, 2.0))
+            first_extra = step_s[0] - (mean_step if timed else step_guess)
         self.costs.observe(  # the next rounds' estimates
-            begin_s=begin_s if info is not None else None, end_s=clock.elapsed_s() - t_end
+            begin_s=begin_s if info is not None else None,
+            end_s=clock.elapsed_s() - t_end,
+            first_step_s=first_extra,
         )
         if fault == "hang":
             time.sleep((round_timeout_s or 0.0) + HANG_EXTRA_S)
@@ -252,11 +292,11 @@ class FederatedClient:
 
     def _batches(self, server_round: int, steps: int):
         """The round's training batches: epochs over the client's data, reshuffled per round
-        and epoch (seed ``seed * 1000 + round * 10 + epoch``)."""
+        and epoch (seed ``client seed * 1000 + round * 10 + epoch``)."""
         ds, b = self.trainer.dataset, self.trainer.config.batch_size
         epoch = 0
         while True:
-            seed = self.config.seed * 1000 + server_round * 10 + epoch
+            seed = self.seed * 1000 + server_round * 10 + epoch
             yield from ds.train_batches(b, seed=seed)
             epoch += 1
             if epoch * self.steps_per_epoch >= steps:

@@ -10,6 +10,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from ..errors import ConfigError
 from .clock import CLOCK_SOURCES
 from .partition import parse_partition
@@ -70,7 +72,7 @@ class FederateConfig:
         local_epochs: epochs over its data a client plans per round (>= 1).
         batch_size, learning_rate, weight_decay: the clients' training (AdamW, a cosine decay
             over ``rounds`` rounds, fresh moments every round).
-        seed: split, data order and probe batches.
+        seed: the run's seed: the split, and each client's own seed (:meth:`client_seed`).
         clock: ``cpu`` or ``wall`` (:class:`etgraph.federated.clock.VirtualClock`).
         window: FedEL's window, a fraction of the tensors in (0, 1] (0: off; None: 0.5 for
             ``elastic-fedel``, else off).
@@ -160,6 +162,16 @@ class FederateConfig:
     def speed(self, partition_id: int) -> float:
         """Client ``partition_id``'s speed factor."""
         return float(self.speeds[partition_id % len(self.speeds)])
+
+    def client_seed(self, partition_id: int) -> int:
+        """Client ``partition_id``'s own seed (31 bits), derived from the run's by
+        ``numpy.random.SeedSequence``: its trainer's Dropout masks and probe batches and its
+        data order come from it, keyed further by the round (the global step of the round's
+        steps, the period, the round's epochs; :class:`etgraph.federated.client.FederatedClient`),
+        so clients draw differently from each other and from round to round, and a run of the
+        same seed draws alike."""
+        state = np.random.SeedSequence((int(self.seed), int(partition_id))).generate_state(1)
+        return int(state[0] >> 1)
 
     def fault(self, partition_id: int, server_round: int) -> str | None:
         """The fault client ``partition_id`` plays in ``server_round`` (None: none)."""
