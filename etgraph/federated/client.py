@@ -139,7 +139,7 @@ class FederatedClient:
         start, the period end and upload, and the first of ``steps`` steps less the median of
         the others; virtual s."""
         trainer = self.trainer
-        x, y = trainer.controller.probe_batches(0)[0]
+        x, y = trainer.controller.timing_batch()
         clock = VirtualClock(self.speed, self.config.clock)
         trainer.set_weights(weights, reset_moments=True)
         info = trainer.begin_period(rho)
