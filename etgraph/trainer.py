@@ -164,7 +164,7 @@ class ElasticTrainer(WeightsAccess):
         self._period: PeriodInfo | None = None  # the period in progress
         self._pending_timings: dict | None = None  # the period start's, for its first epoch
         self._options_chosen = False
-        self._periods_ended = 0  # periods ended (the next one's index, when driven by steps)
+        self.periods_ended = 0  # the next step-driven period's index (a resuming program sets it)
         self._since_set: set[str] = set()  # tensors trained since set_weights
         self._epoch_last_batch: tuple | None = None  # the last epoch's last batch, if trained
         self._stats_at_set: dict[str, np.ndarray] | None = None
@@ -352,7 +352,7 @@ class ElasticTrainer(WeightsAccess):
             self.rho = float(rho)
         elif self.deadline is not None:
             self.rho = self.deadline.rho(self.epoch, self.records)
-        period = max(self.epoch // cfg.period, self._periods_ended)
+        period = max(self.epoch // cfg.period, self.periods_ended)
         chosen = self.controller.reselect(
             period,
             carried,
@@ -427,7 +427,7 @@ class ElasticTrainer(WeightsAccess):
         self._session.save(self.checkpoint_path, properties)
         log.debug("checkpoint after epoch %d: %.3f s", self.epoch, time.perf_counter() - t0)
         self._period = None
-        self._periods_ended = info.period + 1
+        self.periods_ended = info.period + 1
         self._carried = self.checkpoint_path  # the state, until a session moves on from it
         if self.bounded:
             self._session = None

@@ -464,6 +464,44 @@ def test_each_client_draws_its_own_random_numbers_each_round_and_a_rerun_draws_a
             client.close()
 
 
+def test_a_client_built_again_probes_a_round_as_one_that_trained_the_rounds_before(
+    monkeypatch, cache_env
+):
+    """A round's importance probes the batches of the round, not of how many periods the
+    client's process has run (its calibration's dry rounds, earlier rounds): a client built
+    again for a resumed run probes round 2 as the client that trained round 1 did."""
+    pytest.importorskip("flwr")
+    from etgraph import period as period_module
+    from etgraph.federated.client import FederatedClient
+
+    monkeypatch.setenv("ETGRAPH_CACHE", cache_env["ETGRAPH_CACHE"])
+    probed, probe_seed = [], period_module.probe_seed
+
+    def record(seed, period):
+        probed.append(period)
+        return probe_seed(seed, period)
+
+    monkeypatch.setattr(period_module, "probe_seed", record)
+    config = FederateConfig(
+        clients=8, rounds=2, round_deadline_s=30.0, strategy="elastic", partition="iid", seed=3
+    )
+
+    def round_periods(client, server_round):
+        probed.clear()
+        client.train_round(server_round, client.trainer.get_weights())
+        return list(probed)
+
+    clients = [FederatedClient(config, 0)]
+    try:
+        round_periods(clients[0], 1)
+        went_on = round_periods(clients[0], 2)
+        clients.append(FederatedClient(config, 0))  # as after a resume
+        assert went_on and round_periods(clients[1], 2) == went_on
+    finally:
+        for client in clients:
+            client.close()
+
+
 # ---- simulation, faults, resume, deployment (slow: Ray and Flower processes) ------------------
 
 ROOT = Path(__file__).resolve().parents[1]

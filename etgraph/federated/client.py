@@ -222,6 +222,7 @@ class FederatedClient:
         info, begin_s = None, 0.0
         if steps > 0:
             t_begin = clock.elapsed_s()
+            trainer.periods_ended = server_round - 1  # the round's probe batches: resumable
             info = trainer.begin_period(rho, importance_fn=shape_importance)
             clock.discount(self._artifacts_time(info))
             begin_s = clock.elapsed_s() - t_begin
