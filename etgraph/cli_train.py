@@ -148,15 +148,17 @@ def train_command(ctx: click.Context, model, **opts):
                 f"--resume DIR continues a run as configured: drop {', '.join(extra)} (or start "
                 "a new run with another --out)"
             )
-        require_run_dir(Path(opts["resume_dir"]))  # before the heavy imports below
-    from .config import load_run_data
-    from .loop import resume, train
-    from .rundir import check_run_dir, format_summary
+        require_run_dir(Path(opts["resume_dir"]))  # before the heavy imports
+        from .loop import resume
+        from .rundir import format_summary
 
-    if opts["resume_dir"] is not None:
         epochs = opts["epochs"] if given(ctx, "epochs") else None
         click.echo(format_summary(resume(opts["resume_dir"], progress=progress, epochs=epochs)))
         return
+    from .config import load_run_data
+    from .loop import train
+    from .rundir import check_run_dir, format_summary
+
     if opts["out"] is None:
         raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
     plan = _compiled_plan(model)

@@ -215,23 +215,19 @@ class PeriodController:
         return self.full_artifacts_paths().directory
 
     @property
-    def probe_batch_size(self) -> int:
-        """Importance's batch size: the config's ``probe_batch_size``, at most the run's batch
-        (paper §4: a batch of 4 keeps the importance ranking at under 1% of the computation)."""
-        return self.config.importance_batch_size
-
-    @property
     def shared_session(self) -> bool:
-        """Importance and the reference steps share one all-trainable session: importance's
-        batch is the run's (sessions are static at one batch shape)."""
-        return self.probe_batch_size == self.config.batch_size
+        """Importance and the reference steps share one all-trainable session: a strategy
+        with importance, whose probe batch is the run's (sessions are static at one batch
+        shape; ``TrainConfig.importance_batch_size``)."""
+        cfg = self.config
+        return cfg.strategy in IMPORTANCE_STRATEGIES and cfg.importance_batch_size == cfg.batch_size
 
     def probe_batches(self, period: int) -> list:
-        """The importance probe batches of ``period``, of :attr:`probe_batch_size`
+        """The importance probe batches of ``period``, of ``TrainConfig.importance_batch_size``
         (reproducible from the run seed)."""
         seed = probe_seed(self.config.seed, period)
         return [
-            self.dataset.probe_batch(self.probe_batch_size, seed + 7919 * i)
+            self.dataset.probe_batch(self.config.importance_batch_size, seed + 7919 * i)
             for i in range(self.config.probe_batches)
         ]
 
@@ -258,8 +254,8 @@ class PeriodController:
         if self._evaluator is None or self._evaluator.chunks != chunks:
             cache = self.cache
             if not self.shared_session:  # its own all-trainable artifacts at its batch
-                shapes = self.cache.static_batch[1]
-                cache = ArtifactCache(self.cache.root, static_batch=(self.probe_batch_size, shapes))
+                probe = (self.config.importance_batch_size, self.cache.static_batch[1])
+                cache = ArtifactCache(self.cache.root, static_batch=probe)
             self._evaluator = ImportanceEvaluator(
                 self.model.proto,
                 self.names,
@@ -293,7 +289,7 @@ class PeriodController:
         unless importance's pass already ran on it; each reference then keeps the faster of
         its two timed steps."""
         if self._reference is None:
-            if self.config.strategy in IMPORTANCE_STRATEGIES and self.shared_session:
+            if self.shared_session:
                 self._reference = self.evaluator().session()
             else:
                 self._reference = GradientSession(
@@ -360,8 +356,7 @@ class PeriodController:
         """Follow a choice of session options (:meth:`etgraph.ort_probe.OrtOptions.choose`):
         the probe's winner becomes the reference session (and importance's, when they share
         one); options changed close the other sessions open with the old ones."""
-        config = self.options.config
-        shared = self.config.strategy in IMPORTANCE_STRATEGIES and self.shared_session
+        config, shared = self.options.config, self.shared_session
         if winner is not None or changed:
             self._reference = None  # open with other options
         if self._evaluator is not None and changed and not (winner is not None and shared):
@@ -409,11 +404,7 @@ class PeriodController:
         """A period's importance is taken on the previous period's last training batch
         (:meth:`importance`): strategies with importance, on one batch (``probe_batches`` 1)
         of the run's batch size (:attr:`shared_session`)."""
-        return (
-            self.config.strategy in IMPORTANCE_STRATEGIES
-            and self.config.probe_batches == 1
-            and self.shared_session
-        )
+        return self.shared_session and self.config.probe_batches == 1
 
     @property
     def carries_gradients(self) -> bool:
