@@ -850,18 +850,26 @@ def test_frozen_layers_the_gradient_passes_are_charged_as_training_runs_them(
     masks[0, [0, n - 2, n - 1]] = True  # the first kernel and the head: every layer passed
     masks[1, ::3] = True  # scattered, as top-k selects
     masks[2, n // 2 :] = True  # a prefix of the backward pass: nothing frozen after it
-    measured, full = measure_selection_steps_us(
-        model,
-        masks,
-        batch_size=16,
-        threads=THREADS,
-        repeats=10,
-        warmup=WARMUP,
-        clock=CLOCK,
-        group=3,
-        frozen_bn="inference",
-    )
-    ratio = measured / full
+    # the median of three measurements: one noisy measurement of mask 0 (ratio error 0.13 with
+    # the charge against 0.08 without it, where 0.01-0.09 against 0.17-0.25 is usual) inverted
+    # the comparison on a loaded machine
+    rounds = [
+        np.divide(
+            *measure_selection_steps_us(
+                model,
+                masks,
+                batch_size=16,
+                threads=THREADS,
+                repeats=10,
+                warmup=WARMUP,
+                clock=CLOCK,
+                group=3,
+                frozen_bn="inference",
+            )
+        )
+        for _ in range(3)
+    ]
+    ratio = np.median(rounds, axis=0)
 
     def errors(p: Profile) -> np.ndarray:
         predicted = np.array([p.predicted_step_us(m) for m in masks]) / p.t_full_us
