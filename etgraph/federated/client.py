@@ -365,6 +365,13 @@ def _client_app():
         content = RecordDict({"arrays": arrays, "metrics": MetricRecord(result.metrics)})
         return Message(content, reply_to=msg)
 
+    @client_app.query()
+    def query(msg: Message, context: Context) -> Message:
+        """The node's ``partition-id`` (its client id), from its node config
+        (:meth:`etgraph.federated.server.ElasticFedAvg.identify`)."""
+        pid = int(context.node_config["partition-id"])
+        return Message(RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)
+
     return client_app
 
 

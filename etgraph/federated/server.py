@@ -67,7 +67,7 @@ class ElasticFedAvg(Strategy):
         self.names = list(names)
         self.bn_pairs = dict(bn_pairs)
         self.global_importance: list[float] | None = None
-        self.node_partitions: dict[int, int] = {}  # learned from replies
+        self.node_partitions: dict[int, int] = {}  # node id -> partition (:meth:`identify`)
         self.clients: list[dict] = []
         self.coverage: list[float] = []
         self._global: dict[str, np.ndarray] = {}
@@ -82,24 +82,46 @@ class ElasticFedAvg(Strategy):
         d = self.config.deadline_s
         return None if d is None else d * (1 + rundir.LATE_TOLERANCE)
 
+    def identify(self, grid: Grid, timeout_s: float) -> None:
+        """Learn the partition (client id) of every connected node not known yet: a ``query``
+        message each, answered from the node's config (the client's ``query`` handler). Node
+        ids are the transport's (new in every simulation, so after a resume too): without this a
+        client that crashed before its first reply was logged by its node's position, and the
+        FedEL window followed the nodes' sort order instead of the client. A node that does not
+        answer within ``timeout_s`` (wall seconds) stays unknown; its replies name it later."""
+        unknown = [n for n in grid.get_node_ids() if n not in self.node_partitions]
+        if not unknown:
+            return
+        queries = [
+            Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
+            for node in unknown
+        ]
+        for reply in grid.send_and_receive(queries, timeout=timeout_s):
+            if not reply.has_error():
+                pid = int(reply.content["metrics"]["partition-id"])
+                self.node_partitions[reply.metadata.src_node_id] = pid
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One train message per connected node: the global model (every tensor) and a
         ``config`` record with the run's settings (``task``, JSON), ``server-round``, the
-        node's FedEL ``window`` (``[start, end)`` or empty) and ``global-importance``."""
+        node's FedEL ``window`` (``[start, end)`` or empty; offset by the node's client id,
+        :meth:`identify`, or its position among the nodes while that is unknown) and
+        ``global-importance``."""
         self._global = {k: a.numpy() for k, a in arrays.items()}
         nodes = sorted(grid.get_node_ids())
         self._sent = {node: i for i, node in enumerate(nodes)}
         messages = []
         for node, ordinal in self._sent.items():
+            offset = self.node_partitions.get(node, ordinal)
             record = ConfigRecord(dict(config))
             record["server-round"] = server_round
             record["task"] = json.dumps(self.config.to_json())
             record["round-timeout-s"] = float(self.config.round_timeout_s)
             w = self.config.window_fraction
             record["window"] = (
-                list(fedel.window(len(self.names), w, server_round, ordinal)) if w > 0 else []
+                list(fedel.window(len(self.names), w, server_round, offset)) if w > 0 else []
             )
             record["global-importance"] = list(self.global_importance or [])
             content = RecordDict({"arrays": arrays, "config": record})
@@ -273,13 +295,13 @@ def serve(grid: Grid, config: FederateConfig, out: Path, *, on_round=None) -> di
             weights, state = saved
             first, virtual = state["round"] + 1, state["virtual_time_s"]
             strategy.global_importance = state.get("global_importance")
-            strategy.node_partitions = {int(k): v for k, v in state["node_partitions"].items()}
             initial = state["initial"]
             records = rundir.truncate_log(out, state["round"])
             log.info("resuming after round %d", state["round"])
         _wait_for_nodes(grid, config.clients)
         for rnd in range(first, config.rounds + 1):
             t0 = time.perf_counter()
+            strategy.identify(grid, config.round_timeout_s)
             arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
             messages = strategy.configure_train(rnd, arrays, ConfigRecord(), grid)
             replies = grid.send_and_receive(messages, timeout=config.round_timeout_s)
@@ -309,7 +331,6 @@ def serve(grid: Grid, config: FederateConfig, out: Path, *, on_round=None) -> di
                     "round": rnd,
                     "virtual_time_s": virtual,
                     "global_importance": strategy.global_importance,
-                    "node_partitions": {str(k): v for k, v in strategy.node_partitions.items()},
                     "initial": initial,
                 },
             )
