@@ -117,10 +117,16 @@ def _runs() -> dict[str, dict]:
     runs["elastic-adam@0.5@head-lr-scale10-probe-run-batch"] = dict(
         strategy="elastic", rho=0.5, head_lr_scale=HEAD_SCALE, probe_batch_size=1024
     )
-    for strategy in ("topk", "prefix"):  # the selectors that ignore importance, alike
-        runs[f"{strategy}@0.5@head-lr-scale10"] = dict(
-            strategy=strategy, rho=0.5, head_lr_scale=HEAD_SCALE
-        )
+    for rho in (0.5, 0.35):  # the selectors that ignore importance, alike
+        for strategy in ("topk", "prefix"):
+            runs[f"{strategy}@{rho}@head-lr-scale10"] = dict(
+                strategy=strategy, rho=rho, head_lr_scale=HEAD_SCALE
+            )
+        for variant in ("adam", "random"):  # does the choice matter at all on the task?
+            runs.setdefault(
+                f"elastic-{variant}@{rho}@head-lr-scale10",
+                dict(strategy="elastic", rho=rho, head_lr_scale=HEAD_SCALE, importance=variant),
+            )
     return runs
 
 
