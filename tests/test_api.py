@@ -376,3 +376,26 @@ def test_dropout_masks_depend_only_on_the_run_seed(tmp_path, monkeypatch):
     assert again == losses
     for name, value in weights.items():
         np.testing.assert_array_equal(weights_again[name], value, err_msg=name)
+
+
+def test_weights_set_mid_period_report_the_period_s_selection_as_trained(
+    default_model, default_profile
+):
+    """``set_weights`` inside a period, then the period trains on: ``trained_weights`` holds
+    every tensor that moved since the set (was: only running statistics, the period's selection
+    dropped, so a federated client would upload nothing it trained)."""
+    prof, _ = default_profile
+    x, y = digits_arrays(60)
+    config = etgraph.TrainConfig(epochs=2, period=2, max_steps_per_epoch=4, closed_loop=False)
+    with etgraph.ElasticTrainer(
+        default_model, prof, config, data=(x[:40], y[:40]), val_data=(x[40:], y[40:])
+    ) as trainer:
+        info = trainer.begin_period()
+        weights = trainer.get_weights()
+        trainer.set_weights(weights)
+        trainer.train_epoch()  # the period goes on (2 epochs)
+        after = trainer.get_weights()
+        moved = {n for n in weights if not np.array_equal(weights[n], after[n])}
+        trained = set(trainer.trained_weights())
+        assert set(info.selected) <= trained
+        assert moved <= trained
