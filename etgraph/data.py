@@ -340,6 +340,15 @@ def load_dataset(
 # ----------------------------------------------------------------------------- text
 
 
+def recorded_spec(spec: str | os.PathLike | None) -> str | None:
+    """A data or tokenizer spec as a plan or a run records it: a path made absolute (a
+    compiled directory is trained, a run resumed, from any working directory), ``digits`` and
+    None as they are."""
+    if spec is None or str(spec) == "digits":
+        return None if spec is None else "digits"
+    return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+
+
 def load_task_data(
     spec: str | os.PathLike | None,
     *,
