@@ -349,6 +349,17 @@ def recorded_spec(spec: str | os.PathLike | None) -> str | None:
     return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
 
 
+def reloadable(data, spec: str | os.PathLike | None) -> bool:
+    """Whether the data spec ``spec`` (None: the embedded digits) loads ``data`` (as
+    :func:`as_dataset` takes it) again: a run's recorded spec serves its resume. False for
+    arrays or batches in memory, and for a loaded dataset of another source."""
+    if data is None:
+        return True
+    if isinstance(data, (Dataset, ArrayDataset)):
+        return recorded_spec(data.name) == (recorded_spec(spec) or "digits")
+    return False
+
+
 def load_task_data(
     spec: str | os.PathLike | None,
     *,

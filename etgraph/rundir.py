@@ -44,7 +44,7 @@ from .checkpoint import (
     read_checkpoint,
     verify_checkpoint,
 )
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, DataError
 from .labels import CLASSES_FILE
 from .model import LoadedModel
 
@@ -67,12 +67,14 @@ __all__ = [
     "EpochRecord",
     "TrainResult",
     "append_log",
+    "check_resume_data",
     "checkpoint_properties",
     "check_not_run_dir",
     "check_run_dir",
     "format_summary",
     "locked",
     "prepare_run_dir",
+    "read_data_in_memory",
     "read_earlier_hashes",
     "read_log",
     "read_run_checkpoint",
@@ -301,6 +303,7 @@ def write_run_file(
     artifacts_root: str | os.PathLike | None,
     task: Mapping | None = None,
     earlier_hashes: Sequence[str] = (),
+    data_in_memory: Sequence[str] = (),
 ) -> Path:
     """Write ``run.json`` (what :func:`read_run_file` needs to resume the run), atomically.
 
@@ -314,6 +317,8 @@ def write_run_file(
             reload the model with on resume (:func:`read_run_task`).
         earlier_hashes: the digests of the run's configurations before it was extended
             (``--resume --epochs``): its checkpoints written under them still resume it.
+        data_in_memory: ``"data"``, ``"val_data"``: given in memory, not by ``config``'s
+            spec, so a resume needs them again (:func:`check_resume_data`).
     """
     info = {
         "model": str(model),
@@ -322,6 +327,7 @@ def write_run_file(
         "artifacts_root": str(Path(artifacts_root).resolve()) if artifacts_root else None,
         "task": dict(task) if task is not None else None,
         "earlier_config_hashes": list(earlier_hashes),
+        "data_in_memory": list(data_in_memory),
     }
     return files.write_json_atomic(out / RUN_FILE, info)
 
@@ -343,6 +349,33 @@ def read_earlier_hashes(out: Path) -> list[str]:
         return [str(h) for h in json.loads((out / RUN_FILE).read_text())["earlier_config_hashes"]]
     except (OSError, ValueError, TypeError, KeyError):
         return []
+
+
+def read_data_in_memory(out: Path) -> list[str]:
+    """What the run was given in memory (:func:`write_run_file`); read after
+    :func:`read_run_file` has checked the file."""
+    try:
+        return [str(n) for n in json.loads((out / RUN_FILE).read_text())["data_in_memory"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+
+
+def check_resume_data(out: Path, data, val_data) -> None:
+    """Refuse to resume the run in ``out`` without the data it was given in memory
+    (:func:`write_run_file`): its configuration names other data (the embedded digits when
+    it names none), which the run would train on silently.
+
+    Raises:
+        DataError: naming what to pass again.
+    """
+    given = {"data": data, "val_data": val_data}
+    missing = [n for n in read_data_in_memory(out) if given.get(n) is None]
+    if missing:
+        raise DataError(
+            f"the run in {out} trained on {' and '.join(missing)} given in memory: pass "
+            f"{', '.join(f'{n}=...' for n in missing)} again to ElasticTrainer.resume "
+            "(`etgraph train --resume` cannot resume it)"
+        )
 
 
 def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C, Path | None]:
