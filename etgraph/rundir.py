@@ -214,20 +214,28 @@ COMPILED_FILES = ("plan.json", "model.onnx")
 
 def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
     """Refuse, before any work, a new run's directory ``out`` (which need not exist yet) that
-    holds a special file or one of ``inputs`` where a run file goes, is a compiled directory,
-    or holds a run. A run that saved no checkpoint (it failed or was stopped before its first
-    period ended) kept nothing: a new run may start over there.
+    holds a special file or one of ``inputs`` where a run file goes, lies in an input folder
+    (image data), is a compiled directory, or holds a run. A run that saved no checkpoint (it
+    failed or was stopped before its first period ended) kept nothing: a new run may start
+    over there.
 
     Args:
         inputs: the run's input files (model, data, tokenizer, profile; None entries
-            skipped), which no run file may replace.
+            skipped), which no run file may replace, nor the run's folders join.
 
     Raises:
         ConfigError: naming the path and what to do (another ``--out``, or ``--resume`` for a
             run there).
     """
+    inputs = [Path(p) for p in inputs if p is not None]
     run_files = (*_ATOMIC_FILES, PROFILE_FILE, MEMORY_FILE)
     files.check_outputs([out / name for name in run_files], "--out", inputs=inputs)
+    for folder in (p for p in inputs if p.is_dir()):  # an image folder
+        if folder.resolve() in (out.resolve(), *out.resolve().parents):
+            raise ConfigError(
+                f"{out} is inside the data folder {folder}: the run's own folders would become "
+                "classes of its data (a resume would fail); choose an --out outside it"
+            )
     if any((out / name).exists() for name in COMPILED_FILES):
         raise ConfigError(
             f"{out} is a compiled directory (etgraph compile): train into another --out, "
