@@ -340,6 +340,26 @@ def load_dataset(
 # ----------------------------------------------------------------------------- text
 
 
+def recorded_spec(spec: str | os.PathLike | None) -> str | None:
+    """A data or tokenizer spec as a plan or a run records it: a path made absolute (a
+    compiled directory is trained, a run resumed, from any working directory), ``digits`` and
+    None as they are."""
+    if spec is None or str(spec) == "digits":
+        return None if spec is None else "digits"
+    return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+
+
+def reloadable(data, spec: str | os.PathLike | None) -> bool:
+    """Whether the data spec ``spec`` (None: the embedded digits) loads ``data`` (as
+    :func:`as_dataset` takes it) again: a run's recorded spec serves its resume. False for
+    arrays or batches in memory, and for a loaded dataset of another source."""
+    if data is None:
+        return True
+    if isinstance(data, (Dataset, ArrayDataset)):
+        return recorded_spec(data.name) == (recorded_spec(spec) or "digits")
+    return False
+
+
 def load_task_data(
     spec: str | os.PathLike | None,
     *,

@@ -128,6 +128,7 @@ def start_run(trainer: ElasticTrainer, profile: Profile) -> None:
         config_hash=cfg.digest(),
         artifacts_root=trainer.artifacts_root,
         task=trainer.model.task.to_json(),
+        data_in_memory=trainer.data_in_memory,
     )
     if trainer.dataset.class_names:
         save_class_names(out, trainer.dataset.class_names)
@@ -159,11 +160,14 @@ def resume_trainer(
         CheckpointError: ``out_dir`` holds no run, or its checkpoint is corrupt or of another
             configuration or model.
         ConfigError: ``epochs`` fewer than the run's.
-        ModelError, ProfileMismatchError, DataError: the model, profile or data recorded for
-            the run can no longer be used.
+        DataError: the run was given data in memory and ``data`` (or ``val_data``) is not
+            given again; the data recorded for the run can no longer be used.
+        ModelError, ProfileMismatchError: the model or profile recorded for the run can no
+            longer be used.
     """
     out = Path(out_dir)
     model_path, config, artifacts_root = rundir.read_run_file(out, TrainConfig.from_json)
+    rundir.check_resume_data(out, data, val_data)
     accepted = [config.digest(), *rundir.read_earlier_hashes(out)]
     if epochs is not None and epochs != config.epochs:
         config = _extended(out, model_path, config, artifacts_root, epochs, accepted)
@@ -235,6 +239,7 @@ def _extended(out, model_path, config, artifacts_root, epochs: int, accepted) ->
         artifacts_root=artifacts_root,
         task=rundir.read_run_task(out),
         earlier_hashes=accepted,
+        data_in_memory=rundir.read_data_in_memory(out),
     )
     return config
 

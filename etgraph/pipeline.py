@@ -24,7 +24,7 @@ from passes.onnx import DEFAULT_FROZEN_BN, check_head_lr_scale
 
 from . import graph, memory_profiler, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
-from .data import DEFAULT_MODEL_PATH, load_task_data
+from .data import DEFAULT_MODEL_PATH, load_task_data, recorded_spec
 from .errors import ConfigError, HeadLrScaleError
 from .files import exclusive_lock, private_temp_dir
 from .images import DEFAULT_PREPROCESS, Preprocess
@@ -80,14 +80,6 @@ def _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head
     check_frozen_bn(frozen_bn)
     if memory_mb is not None and not 0 < memory_mb < float("inf"):
         raise ConfigError(f"--memory-mb must be a positive number of MiB, got {memory_mb}")
-
-
-def _recorded(spec) -> str | None:
-    """A data or tokenizer spec as the plan records it: a path made absolute (``etgraph train
-    DIR`` may run elsewhere), ``digits`` as is."""
-    if spec is None:
-        return None
-    return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
 
 
 def compile(  # noqa: A001 (the API's verb, as torch.compile)
@@ -227,8 +219,8 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         importance_source=importance_source,
         preprocess=preprocess,
         frozen_bn=frozen_bn,
-        data=_recorded(data),
-        tokenizer=_recorded(tokenizer),
+        data=recorded_spec(data),
+        tokenizer=recorded_spec(tokenizer),
         resolution=resolution,
         memory_profile=mem_prof,
         memory_mb=memory_mb,

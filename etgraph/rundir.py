@@ -44,7 +44,7 @@ from .checkpoint import (
     read_checkpoint,
     verify_checkpoint,
 )
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, DataError
 from .labels import CLASSES_FILE
 from .model import LoadedModel
 
@@ -67,12 +67,14 @@ __all__ = [
     "EpochRecord",
     "TrainResult",
     "append_log",
+    "check_resume_data",
     "checkpoint_properties",
     "check_not_run_dir",
     "check_run_dir",
     "format_summary",
     "locked",
     "prepare_run_dir",
+    "read_data_in_memory",
     "read_earlier_hashes",
     "read_log",
     "read_run_checkpoint",
@@ -212,20 +214,28 @@ COMPILED_FILES = ("plan.json", "model.onnx")
 
 def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
     """Refuse, before any work, a new run's directory ``out`` (which need not exist yet) that
-    holds a special file or one of ``inputs`` where a run file goes, is a compiled directory,
-    or holds a run. A run that saved no checkpoint (it failed or was stopped before its first
-    period ended) kept nothing: a new run may start over there.
+    holds a special file or one of ``inputs`` where a run file goes, lies in an input folder
+    (image data), is a compiled directory, or holds a run. A run that saved no checkpoint (it
+    failed or was stopped before its first period ended) kept nothing: a new run may start
+    over there.
 
     Args:
         inputs: the run's input files (model, data, tokenizer, profile; None entries
-            skipped), which no run file may replace.
+            skipped), which no run file may replace, nor the run's folders join.
 
     Raises:
         ConfigError: naming the path and what to do (another ``--out``, or ``--resume`` for a
             run there).
     """
+    inputs = [Path(p) for p in inputs if p is not None]
     run_files = (*_ATOMIC_FILES, PROFILE_FILE, MEMORY_FILE)
     files.check_outputs([out / name for name in run_files], "--out", inputs=inputs)
+    for folder in (p for p in inputs if p.is_dir()):  # an image folder
+        if folder.resolve() in (out.resolve(), *out.resolve().parents):
+            raise ConfigError(
+                f"{out} is inside the data folder {folder}: the run's own folders would become "
+                "classes of its data (a resume would fail); choose an --out outside it"
+            )
     if any((out / name).exists() for name in COMPILED_FILES):
         raise ConfigError(
             f"{out} is a compiled directory (etgraph compile): train into another --out, "
@@ -301,6 +311,7 @@ def write_run_file(
     artifacts_root: str | os.PathLike | None,
     task: Mapping | None = None,
     earlier_hashes: Sequence[str] = (),
+    data_in_memory: Sequence[str] = (),
 ) -> Path:
     """Write ``run.json`` (what :func:`read_run_file` needs to resume the run), atomically.
 
@@ -314,6 +325,8 @@ def write_run_file(
             reload the model with on resume (:func:`read_run_task`).
         earlier_hashes: the digests of the run's configurations before it was extended
             (``--resume --epochs``): its checkpoints written under them still resume it.
+        data_in_memory: ``"data"``, ``"val_data"``: given in memory, not by ``config``'s
+            spec, so a resume needs them again (:func:`check_resume_data`).
     """
     info = {
         "model": str(model),
@@ -322,6 +335,7 @@ def write_run_file(
         "artifacts_root": str(Path(artifacts_root).resolve()) if artifacts_root else None,
         "task": dict(task) if task is not None else None,
         "earlier_config_hashes": list(earlier_hashes),
+        "data_in_memory": list(data_in_memory),
     }
     return files.write_json_atomic(out / RUN_FILE, info)
 
@@ -343,6 +357,33 @@ def read_earlier_hashes(out: Path) -> list[str]:
         return [str(h) for h in json.loads((out / RUN_FILE).read_text())["earlier_config_hashes"]]
     except (OSError, ValueError, TypeError, KeyError):
         return []
+
+
+def read_data_in_memory(out: Path) -> list[str]:
+    """What the run was given in memory (:func:`write_run_file`); read after
+    :func:`read_run_file` has checked the file."""
+    try:
+        return [str(n) for n in json.loads((out / RUN_FILE).read_text())["data_in_memory"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+
+
+def check_resume_data(out: Path, data, val_data) -> None:
+    """Refuse to resume the run in ``out`` without the data it was given in memory
+    (:func:`write_run_file`): its configuration names other data (the embedded digits when
+    it names none), which the run would train on silently.
+
+    Raises:
+        DataError: naming what to pass again.
+    """
+    given = {"data": data, "val_data": val_data}
+    missing = [n for n in read_data_in_memory(out) if given.get(n) is None]
+    if missing:
+        raise DataError(
+            f"the run in {out} trained on {' and '.join(missing)} given in memory: pass "
+            f"{', '.join(f'{n}=...' for n in missing)} again to ElasticTrainer.resume "
+            "(`etgraph train --resume` cannot resume it)"
+        )
 
 
 def read_run_file(out: Path, load_config: Callable[[dict], C]) -> tuple[Path, C, Path | None]:

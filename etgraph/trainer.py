@@ -44,6 +44,7 @@ from .artifacts import ArtifactCache
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
 from .clock import DeadlinePlanner
 from .config import TrainConfig, check_run_inputs, load_run_data, steps_per_epoch
+from .data import recorded_spec, reloadable
 from .errors import ConfigError, DataError, TrainingDivergedError
 from .events import Callback, PeriodInfo
 from .export import export_trained
@@ -125,6 +126,14 @@ class ElasticTrainer(WeightsAccess):
         if isinstance(data, (str, os.PathLike)):  # a spec: recorded in run.json
             config = dataclasses.replace(config, data=str(data))
             data = None
+        if not resuming:  # a resume finds the data from any working directory
+            config = dataclasses.replace(
+                config, data=recorded_spec(config.data), tokenizer=recorded_spec(config.tokenizer)
+            )
+        # what config.data does not name ("data", "val_data"): a resume is given it again
+        self.data_in_memory = [] if reloadable(data, config.data) else ["data"]
+        if val_data is not None:
+            self.data_in_memory.append("val_data")
         self.config = config
         self.started_at = time.perf_counter() if started_at is None else started_at
         self.progress = progress

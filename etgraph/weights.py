@@ -25,7 +25,8 @@ __all__ = ["WeightsAccess"]
 class WeightsAccess:
     """:meth:`get_weights`, :meth:`set_weights`, :meth:`trained_weights` of
     :class:`etgraph.trainer.ElasticTrainer` (which holds ``_session``, ``_carried``,
-    ``work_dir``, ``bounded``, ``model``, ``controller``, ``_since_set`` and ``_stats_at_set``)."""
+    ``work_dir``, ``bounded``, ``model``, ``controller``, ``_period``, ``_since_set`` and
+    ``_stats_at_set``)."""
 
     def _state_file(self) -> Path:
         """A checkpoint file of the current state (weights, moments, step): the open session's
@@ -60,7 +61,8 @@ class WeightsAccess:
         """Overwrite parameters by initializer name (any subset of :meth:`get_weights`' names),
         e.g. a federated server's global model. The optimizer's AdamW moments of the tensors set
         are kept (Keras' ``set_weights``; the step count too), or with ``reset_moments`` zeroed
-        for them (a fresh optimizer). Starts the record of :meth:`trained_weights` anew. The
+        for them (a fresh optimizer). Starts the record of :meth:`trained_weights` anew (with
+        the selection of a period in progress, which trains on from these weights). The
         training session is reopened on the new state at the next step. ``weights`` are in the
         original parametrisation, as :meth:`get_weights` gives them (with a head learning-rate
         scale S the head's are stored divided by S).
@@ -80,7 +82,8 @@ class WeightsAccess:
             write_checkpoint(path, state, sorted(state.moments))
             self._carried = path
         self._session = None  # reopened on the new state (a baked session holds constants)
-        self._since_set = set()
+        # a period in progress trains its selection on from the weights set
+        self._since_set = set(self._period.selected) if self._period is not None else set()
         stats = list(self.model.running_stats)
         self._stats_at_set = {n: np.array(state.weights[n], copy=True) for n in stats}
 

@@ -158,6 +158,21 @@ def test_train_into_the_models_own_folder_does_not_replace_the_model(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model_trained.onnx"]
 
 
+@pytest.mark.parametrize("inside", [".", "run"])
+def test_train_into_its_own_image_folder_is_refused(cli, tmp_path, inside):
+    """A run written into its image folder (or a sub-folder) made its own folders classes of
+    its data: it trained, then its resume failed with `class folder .../artifacts has no
+    images` (or, before the first checkpoint, started over into the same error)."""
+    images = tmp_path / "images"
+    for k in range(5):
+        (images / f"c{k}").mkdir(parents=True)
+        Image.new("RGB", (8, 8), (k, k, k)).save(images / f"c{k}" / "0.png")
+    out = images / inside
+    done = cli("train", "--data", images, "--out", out, "--epochs", "1")
+    assert_user_error(done, f"{out} is inside the data folder {images}", "--out outside it")
+    assert sorted(p.name for p in images.iterdir()) == [f"c{k}" for k in range(5)]
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_profile_output_on_a_special_file_is_refused(cli, default_model_path, tmp_path, kind):
     target = tmp_path / "profile.json"
