@@ -621,11 +621,11 @@ def test_a_killed_run_with_faulty_clients_resumes_and_trains_within_deadlines(
     rounds of elastic-fedel on Flower's simulation engine: client 2 runs late in round 1
     (dropped), client 1 crashes in round 2, the first after the resume, before any reply of
     its new node (recorded as failed, by its client id: the server asks new nodes who they
-    are); the rounds are aggregated without them. The run is killed (SIGKILL, with its Ray processes) after round 1 and
-    ``--resume`` continues from the server's checkpoint, running rounds 2 and 3 once and
-    keeping round 1's record as it was. The run directory holds one record per round with
-    every client's entry, the checkpoint, the summary, the plots and the exported global
-    model; a new run into it is refused."""
+    are); the rounds are aggregated without them. The run is killed (SIGKILL, with its Ray
+    processes) after round 1 and ``--resume`` continues from the server's checkpoint,
+    running rounds 2 and 3 once and keeping round 1's record as it was. The run directory
+    holds one record per round with every client's entry, the checkpoint, the summary, the
+    plots and the exported global model; a new run into it is refused."""
     pytest.importorskip("flwr")
     from tests.helpers import assert_user_error, run_cli_in_process
 
