@@ -44,6 +44,7 @@ __all__ = [
     "atomic_directory",
     "atomic_target",
     "check_outputs",
+    "check_outside_folders",
     "ensure_writable_dir",
     "ensure_writable_file",
     "exclusive_lock",
@@ -248,6 +249,23 @@ def check_outputs(paths: Iterable, option: str, inputs: Iterable = ()) -> None:
                         f"writing {path} would replace the input {source} (the same file): "
                         f"choose another {option}"
                     )
+
+
+def check_outside_folders(out: str | os.PathLike, inputs: Iterable, option: str) -> None:
+    """Refuse, before anything is created, an output directory ``out`` that is, or lies inside,
+    one of the command's input folders (an image folder: every folder etgraph writes there
+    would become a class of the data, and a later run on it fails; None entries skipped).
+
+    Raises:
+        ConfigError: naming both paths and ``option``.
+    """
+    where = Path(out).resolve()
+    for folder in (Path(p) for p in inputs if p is not None):
+        if folder.is_dir() and folder.resolve() in (where, *where.parents):
+            raise ConfigError(
+                f"{out} is inside the data folder {folder}: the folders etgraph writes there "
+                f"would become classes of its data; choose an {option} outside it"
+            )
 
 
 @contextlib.contextmanager

@@ -55,6 +55,7 @@ from .errors import ConfigError, ModelError, ProfileMismatchError
 from .files import (
     atomic_target,
     check_outputs,
+    check_outside_folders,
     ensure_writable_dir,
     exclusive_lock,
     read_json,
@@ -484,12 +485,13 @@ class Plan:
 
 def prepare_compiled_dir(out_dir: str | os.PathLike, *, inputs=()) -> Path:
     """Check, before any work, that a compiled directory can be written at ``out_dir``
-    (created): writable, not a training run, no entry a special file or one of ``inputs``;
-    stale temporaries of killed compiles are swept.
+    (created): outside the input folders, writable, not a training run, no entry a special
+    file or one of ``inputs``; stale temporaries of killed compiles are swept.
 
     Raises:
         ConfigError: naming the path and ``-o``.
     """
+    check_outside_folders(out_dir, inputs, "-o")  # before ensure_writable_dir creates it
     out = ensure_writable_dir(out_dir, "-o")
     check_not_run_dir(out, "-o")
     sweep_stale_temp_dirs(out)  # what a killed compile left

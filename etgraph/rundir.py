@@ -228,14 +228,9 @@ def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
             run there).
     """
     inputs = [Path(p) for p in inputs if p is not None]
+    files.check_outside_folders(out, inputs, "--out")  # a resume would fail
     run_files = (*_ATOMIC_FILES, PROFILE_FILE, MEMORY_FILE)
     files.check_outputs([out / name for name in run_files], "--out", inputs=inputs)
-    for folder in (p for p in inputs if p.is_dir()):  # an image folder
-        if folder.resolve() in (out.resolve(), *out.resolve().parents):
-            raise ConfigError(
-                f"{out} is inside the data folder {folder}: the run's own folders would become "
-                "classes of its data (a resume would fail); choose an --out outside it"
-            )
     if any((out / name).exists() for name in COMPILED_FILES):
         raise ConfigError(
             f"{out} is a compiled directory (etgraph compile): train into another --out, "
@@ -255,6 +250,7 @@ def prepare_run_dir(out: Path, inputs: Iterable = ()) -> Path:
     Raises:
         ConfigError: ``out`` cannot be written, or :func:`check_run_dir` refuses it.
     """
+    files.check_outside_folders(out, inputs, "--out")  # before ensure_writable_dir creates it
     files.ensure_writable_dir(out, "--out")
     check_run_dir(out, inputs)
     if (out / RUN_FILE).exists():

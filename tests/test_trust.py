@@ -158,18 +158,24 @@ def test_train_into_the_models_own_folder_does_not_replace_the_model(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model_trained.onnx"]
 
 
-@pytest.mark.parametrize("inside", [".", "run"])
-def test_train_into_its_own_image_folder_is_refused(cli, tmp_path, inside):
+@pytest.mark.parametrize(
+    ("command", "inside"),
+    [("train", "."), ("train", "run"), ("compile", "compiled")],
+)
+def test_train_or_compile_into_its_own_image_folder_is_refused(cli, tmp_path, command, inside):
     """A run written into its image folder (or a sub-folder) made its own folders classes of
     its data: it trained, then its resume failed with `class folder .../artifacts has no
-    images` (or, before the first checkpoint, started over into the same error)."""
+    images` (or, before the first checkpoint, started over into the same error); a compiled
+    directory there made the `etgraph train` it suggests fail alike. Refused before anything
+    is created in the folder."""
     images = tmp_path / "images"
     for k in range(5):
         (images / f"c{k}").mkdir(parents=True)
         Image.new("RGB", (8, 8), (k, k, k)).save(images / f"c{k}" / "0.png")
     out = images / inside
-    done = cli("train", "--data", images, "--out", out, "--epochs", "1")
-    assert_user_error(done, f"{out} is inside the data folder {images}", "--out outside it")
+    option = "--out" if command == "train" else "-o"
+    done = cli(command, "--data", images, option, out, *(("--epochs", "1") * (command == "train")))
+    assert_user_error(done, f"{out} is inside the data folder {images}", f"{option} outside it")
     assert sorted(p.name for p in images.iterdir()) == [f"c{k}" for k in range(5)]
 
 
