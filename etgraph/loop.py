@@ -27,7 +27,7 @@ from . import rundir
 from .arrays import ArrayDataset
 from .config import TrainConfig
 from .data import Dataset
-from .errors import ConfigError
+from .errors import ConfigError, ModelError
 from .events import Callback, RunDirectoryLog
 from .labels import save_class_names
 from .memory import MemoryProfile
@@ -179,6 +179,11 @@ def resume_trainer(
         loss=task.get("loss", "ce"),
         head_lr_scale=config.head_lr_scale,  # a model file is scaled again, a compiled one is
     )
+    if model.hash != profile.model_hash:  # the file was replaced since the run started
+        raise ModelError(
+            f"{model_path} is no longer the model the run in {out} started with (its graph "
+            "changed): put that model back, or start a new run"
+        )
     memory_file = out / rundir.MEMORY_FILE
     trainer = ElasticTrainer(
         model,

@@ -476,6 +476,27 @@ def test_resume_with_checkpoint_of_wrong_shapes(cli, finished_run, tmp_path, cha
     assert_user_error(cli("train", "--resume", run), "checkpoint", name)
 
 
+def test_resume_after_the_model_file_was_replaced(cli, profile_json, tmp_path):
+    """A run's model file replaced by another graph since the run started: the resume says so
+    and what to do (before: the profile's "profile this model", which cannot help a run)."""
+    import onnx
+    from onnx import helper
+
+    from etgraph.data import DEFAULT_MODEL_PATH
+
+    model_file = tmp_path / "model.onnx"
+    shutil.copyfile(DEFAULT_MODEL_PATH, model_file)
+    run = tmp_path / "run"
+    done = cli("train", model_file, "--profile", profile_json, "--out", run, *QUICK_TRAIN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    other = onnx.load(model_file)  # the same weights, a ReLU made a sigmoid: another graph
+    relu = next(n for n in other.graph.node if n.op_type == "Relu")
+    relu.CopyFrom(helper.make_node("Sigmoid", list(relu.input), list(relu.output), relu.name))
+    onnx.save(other, model_file)
+    again = cli("train", "--resume", run, "--epochs", "2")
+    assert_user_error(again, f"{model_file} is no longer the model the run", "put that model back")
+
+
 # ---- --debug -------------------------------------------------------------------------------
 
 
