@@ -44,6 +44,7 @@ __all__ = [
     "atomic_directory",
     "atomic_target",
     "check_outputs",
+    "check_creatable_dir",
     "check_outside_folders",
     "ensure_writable_dir",
     "ensure_writable_file",
@@ -202,6 +203,27 @@ def ensure_writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:
             f"{option}"
         ) from exc
     return path
+
+
+def check_creatable_dir(path: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse, without creating anything, a directory ``path`` that cannot be made or written:
+    it or its nearest existing parent is a file, or that parent is not writable (what
+    :func:`ensure_writable_dir` would find later, after the work before it).
+
+    Raises:
+        ConfigError: naming the path and ``option``.
+    """
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    reason = None
+    if not existing.is_dir():
+        reason = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is read-only"
+    if reason is not None:
+        raise ConfigError(
+            f"output directory {path} is not writable ({reason}): choose another with {option}"
+        )
 
 
 def ensure_writable_file(

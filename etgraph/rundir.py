@@ -214,10 +214,10 @@ COMPILED_FILES = ("plan.json", "model.onnx")
 
 def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
     """Refuse, before any work, a new run's directory ``out`` (which need not exist yet) that
-    holds a special file or one of ``inputs`` where a run file goes, lies in an input folder
-    (image data), is a compiled directory, or holds a run. A run that saved no checkpoint (it
-    failed or was stopped before its first period ended) kept nothing: a new run may start
-    over there.
+    cannot be created or written, holds a special file or one of ``inputs`` where a run file
+    goes, lies in an input folder (image data), is a compiled directory, or holds a run. A run
+    that saved no checkpoint (it failed or was stopped before its first period ended) kept
+    nothing: a new run may start over there.
 
     Args:
         inputs: the run's input files (model, data, tokenizer, profile; None entries
@@ -228,6 +228,7 @@ def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
             run there).
     """
     inputs = [Path(p) for p in inputs if p is not None]
+    files.check_creatable_dir(out, "--out")
     files.check_outside_folders(out, inputs, "--out")  # a resume would fail
     run_files = (*_ATOMIC_FILES, PROFILE_FILE, MEMORY_FILE)
     files.check_outputs([out / name for name in run_files], "--out", inputs=inputs)

@@ -347,11 +347,21 @@ def test_train_bad_dataset(cli, profile_json, bad_datasets, tmp_path, case):
     assert_user_error(done, *fragments)
 
 
-def test_train_output_directory_not_writable(cli, profile_json, tmp_path):
+@pytest.mark.parametrize("profiled", [True, False])
+def test_train_output_directory_not_writable(cli, profile_json, tmp_path, profiled, monkeypatch):
+    """Refused before any work: without a profile, before the model is profiled."""
+    from etgraph import profiler
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled before the output directory was checked")
+
+    monkeypatch.setattr(profiler, "profile_model", no_profiling)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    done = cli("train", "--profile", profile_json, "--out", blocker / "run", *QUICK_TRAIN)
-    assert_user_error(done, str(blocker / "run"), "not writable")
+    profile = ("--profile", profile_json) if profiled else ()
+    for out in (blocker / "run", blocker):  # inside a file, or a file itself
+        done = cli("train", *profile, "--out", out, *QUICK_TRAIN)
+        assert_user_error(done, str(out), "not writable", f"{blocker} is a file")
 
 
 # ---- profiles and plans that belong to another model or setting ----------------------------
