@@ -216,7 +216,8 @@ def test_run_file_round_trip_and_errors(tmp_path):
     assert (model, again, root) == (tmp_path / "m.onnx", config, None)
     info = json.loads((out / "run.json").read_text())
     assert list(info) == ["model", "config", "config_hash", "artifacts_root", "task",
-                          "earlier_config_hashes"]  # fmt: skip
+                          "earlier_config_hashes", "data_in_memory"]  # fmt: skip
+    assert info["data_in_memory"] == []  # nothing given in memory: a CLI run
 
     (out / "run.json").write_text(json.dumps({**info, "config": {**info["config"], "rho": 0.5}}))
     with pytest.raises(CheckpointError, match="config hash differs"):
