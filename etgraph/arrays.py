@@ -271,7 +271,8 @@ def load_text_dataset(
     """Load ``--data FILE.csv|FILE.jsonl --tokenizer tokenizer.json`` for a token model
     (:func:`etgraph.text.load_text_data`): one ``[N, T]`` array per token input in that
     input's dtype (ids and masks are tokenized as int64, then cast: a float or bool mask, int32
-    ids), labels mapped to the head's classes (``class_names`` from the data), split
+    ids), labels mapped to the head's classes (``class_names`` from the data, or the model's
+    own when every label is one of them: :func:`etgraph.labels.known_class_names`), split
     stratified per class.
 
     Raises:
@@ -299,6 +300,7 @@ def load_text_dataset(
         seq_len=next(iter(lengths.values()))[0],
         vocab_rows=ids.index_rows if ids is not None else None,
         num_classes=task.width,
+        known_names=task.class_names,
     )
     # each input in its own dtype: a float or bool attention mask, int32 ids
     arrays = {spec.name: text.inputs[spec.name].astype(spec.dtype, copy=False) for spec in inputs}

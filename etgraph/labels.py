@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,7 @@ def map_labels(
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
     source: str = "data",
+    known: Sequence[str] = (),
 ) -> tuple[list[str], np.ndarray]:
     """Map raw labels to output indices.
 
@@ -57,6 +58,8 @@ def map_labels(
         class_names: an existing mapping to use (index k = ``class_names[k]``); None derives one
             from ``raw``.
         source: what the labels come from, for error messages (a file name).
+        known: the class names the model's head was trained with; used as ``class_names``
+            when every label is one of them (:func:`known_class_names`).
 
     Returns:
         ``(class_names, labels)``: the names (length K when ``num_classes`` is given and the
@@ -70,6 +73,8 @@ def map_labels(
     raw = [str(v) for v in raw]
     if not raw:
         raise DataError(f"{source} has no labelled examples: add rows with a 'label'")
+    if class_names is None:
+        class_names = known_class_names(raw, known)
     if class_names is not None:
         names = [str(v) for v in class_names]
         if num_classes is not None and len(names) > num_classes:
@@ -108,6 +113,17 @@ def map_labels(
         )
     index = {name: k for k, name in enumerate(names)}
     return names, np.array([index[v] for v in raw], dtype=np.int64)
+
+
+def known_class_names(labels: Iterable[str], model_names: Sequence[str]) -> list[str] | None:
+    """The class names a model's head was trained with (``model_names``, index k = output k:
+    :attr:`etgraph.io_specs.Task.class_names`) when every one of the data's ``labels`` is among
+    them — the data is of a task the head knows, its labels keep the head's indices, even when
+    some classes are absent — else None (a new task: the data's own mapping)."""
+    names = [str(v) for v in model_names]
+    if names and set(map(str, labels)) <= set(names):
+        return names
+    return None
 
 
 def save_class_names(directory: str | os.PathLike, class_names: Sequence[str]) -> Path:
@@ -160,10 +176,15 @@ def set_class_names(model: onnx.ModelProto, class_names: Sequence[str]) -> None:
 
 
 def class_names_of(model: onnx.ModelProto) -> list[str] | None:
-    """The class names in ``model.metadata_props``, or None if it has none."""
+    """The class names in ``model.metadata_props``, or None if it has none (or an entry that
+    is not a JSON list)."""
     for prop in model.metadata_props:
         if prop.key == METADATA_KEY:
-            return [str(v) for v in json.loads(prop.value)]
+            try:
+                names = json.loads(prop.value)
+            except ValueError:
+                return None
+            return [str(v) for v in names] if isinstance(names, list) else None
     return None
 
 

@@ -289,6 +289,7 @@ def load_text_data(
     vocab_rows: int | None = None,
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
+    known_names: Sequence[str] = (),
 ) -> TextData:
     """Read, label and tokenize a text file for a token model.
 
@@ -300,6 +301,8 @@ def load_text_data(
         vocab_rows: rows of the model's word-embedding table (checked against the tokenizer).
         num_classes: the head's output width K (labels are checked against it).
         class_names: an existing label mapping to apply (e.g. saved with a run).
+        known_names: the class names the model's head was trained with, kept when every label
+            is one of them (:func:`etgraph.labels.known_class_names`).
 
     Returns:
         A :class:`TextData`.
@@ -310,7 +313,7 @@ def load_text_data(
     """
     texts, raw = read_text_file(path)
     names, labels = map_labels(
-        raw, num_classes=num_classes, class_names=class_names, source=str(path)
+        raw, num_classes=num_classes, class_names=class_names, source=str(path), known=known_names
     )
     tokenizer = load_tokenizer(tokenizer_path, vocab_rows=vocab_rows)
     inputs = tokenize(tokenizer, texts, seq_len, input_names)
