@@ -277,7 +277,7 @@ def load_text_dataset(
 
     Raises:
         DataError: as :func:`etgraph.text.check_text_options`; a loss other than ce; token
-            inputs of different or multi-dimensional per-sample shapes; and as
+            inputs of different or multi-dimensional per-sample shapes; one label only; and as
             :func:`etgraph.text.load_text_data`.
     """
     check_text_options(path, tokenizer)
@@ -302,6 +302,11 @@ def load_text_dataset(
         num_classes=task.width,
         known_names=task.class_names,
     )
+    if np.unique(text.labels).size < 2:  # as an image folder of one class
+        raise DataError(
+            f"text data {path} has one label ({text.class_names[text.labels[0]]!r}): a "
+            "classifier learns nothing from one; give rows of two labels or more"
+        )
     # each input in its own dtype: a float or bool attention mask, int32 ids
     arrays = {spec.name: text.inputs[spec.name].astype(spec.dtype, copy=False) for spec in inputs}
     train, val = stratified_split(text.labels, val_fraction, seed)

@@ -293,6 +293,14 @@ def test_load_task_data_text(tmp_path, tok_path):
     assert y.dtype == np.int64
 
 
+def test_text_of_one_label_is_refused(tmp_path, tok_path):
+    """As an image folder of one class: it trained to 100 % accuracy on nothing."""
+    specs, shapes, task = _token_model()
+    one = write_csv(tmp_path / "d.csv", [r for r in ROWS if r[1] == "pos"])
+    with pytest.raises(DataError, match=r"d.csv has one label \('pos'\): a classifier learns"):
+        load_task_data(one, inputs=specs, shapes=shapes, task=task, tokenizer=tok_path)
+
+
 @pytest.mark.parametrize(("ids", "mask"), [("int32", "float32"), ("int64", "bool")])
 def test_text_data_takes_each_inputs_dtype(tmp_path, tok_path, ids, mask):
     """A float or bool attention mask, int32 ids: fed in the model's dtypes (int64 made ORT's
