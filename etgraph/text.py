@@ -106,8 +106,8 @@ def read_text_file(path: str | os.PathLike) -> tuple[list[str], list[str]]:
 
     Raises:
         DataError: the file is missing or unreadable, is not ``.csv``/``.jsonl``, lacks a
-            column, has a row without a label or a JSONL line that is not an object, or is
-            empty.
+            column, has a row without a label, a CSV row of more fields than its header (an
+            unquoted comma) or a JSONL line that is not an object, or is empty.
     """
     path = Path(path)
     if not path.is_file():
@@ -162,7 +162,16 @@ def _read_csv(path: Path) -> list[tuple[int, dict]]:
                 columns = reader.fieldnames or []
                 if "text" not in columns or "label" not in columns:
                     raise _missing_columns(path, columns)
-                return [(reader.line_num, row) for row in reader]
+                rows = []
+                for row in reader:
+                    if None in row:  # csv.DictReader's key of the fields beyond the header's
+                        raise DataError(
+                            f"{path}:{reader.line_num}: the row has {len(columns) + len(row[None])}"
+                            f" fields, the header {len(columns)}: quote a text that holds "
+                            'commas ("a, b")'
+                        )
+                    rows.append((reader.line_num, row))
+                return rows
             except csv.Error as exc:
                 raise DataError(
                     f"{path}:{reader.line_num}: not readable CSV ({exc}): save it as CSV with a "

@@ -166,6 +166,15 @@ def test_row_without_label(tmp_path):
         read_text_file(path)
 
 
+def test_csv_row_of_more_fields_than_the_header(tmp_path):
+    """An unquoted comma: the text was cut there and the rest dropped, silently (label first),
+    or the label taken from the text."""
+    path = tmp_path / "d.csv"
+    path.write_text('label,text\npos,"quoted, fine"\nneg,great, really\n')
+    with pytest.raises(DataError, match=r"d.csv:3: the row has 3 fields, the header 2: quote"):
+        read_text_file(path)
+
+
 def test_bad_jsonl_line_and_suffix(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a", "label": 1}\n[1, 2]\n')
