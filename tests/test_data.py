@@ -122,6 +122,17 @@ def test_image_folder_loads_classes_shapes_and_normalisation(tmp_path):
     np.testing.assert_allclose(x[0, :, 4, 4], expected, atol=1e-5)
 
 
+def test_hidden_folders_inside_a_class_are_skipped(tmp_path):
+    """As hidden class folders are: thumbnails in cat/.thumbnails/ were examples of cat (copies
+    of its images, some in validation); nested visible folders still count."""
+    root = make_folder(tmp_path / "ds", classes=("cat", "dog"), per_class=5)
+    for name in (".thumbnails", "more"):
+        (root / "cat" / name).mkdir()
+        (root / "cat" / name / "img0.png").write_bytes((root / "cat" / "img0.png").read_bytes())
+    ds = load_dataset(root, input_shape=SHAPE)
+    assert int((ds.labels == 0).sum()) == 6
+
+
 def test_image_folder_flips_only_training_batches(tmp_path):
     root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=8, size=(8, 8))
     ds = load_dataset(root, input_shape=(3, 8, 8))
