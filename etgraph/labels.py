@@ -10,16 +10,19 @@ kept in three places so a prediction can always be read back as a label:
 - in memory, the dataset's ``class_names``.
 
 Mapping rules (:func:`map_labels`): string labels take indices in sorted order (as image
-folders do); labels that are all non-negative integers are the indices themselves (names
-``"0" .. "K-1"``); an existing mapping (e.g. the one saved with a run being resumed or a model's
-metadata) is used as is and every label must be one of its names. Labels the head cannot output
-are a :class:`~etgraph.errors.DataError` naming the label and the fix.
+folders do); labels that are all non-negative integers (``3``, or ``3.0`` as a float column
+writes it) are the indices themselves (names ``"0" .. "K-1"``); an existing mapping (e.g. the
+one saved with a run being resumed) is used as is and every label must be one of its names;
+the class names of a model etgraph trained (its metadata) are that mapping when every label is
+one of them (:func:`known_class_names`). Labels the head cannot output are a
+:class:`~etgraph.errors.DataError` naming the label and the fix.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -38,8 +41,13 @@ CLASSES_FILE = "classes.json"
 MAX_CLASS_INDEX = 1_000_000
 
 
+#: A class index as text: digits, maybe with a zero fraction (``"3.0"``: a JSON number or a
+#: pandas column of floats, which is the index 3 as ``"3"`` is).
+_INDEX = re.compile(r"[0-9]+(\.0*)?")
+
+
 def _is_index(label: str) -> bool:
-    return label.isdigit() and label.isascii()
+    return _INDEX.fullmatch(label) is not None
 
 
 def map_labels(
@@ -91,7 +99,7 @@ def map_labels(
             )
         return names, np.array([index[v] for v in raw], dtype=np.int64)
     if all(_is_index(v) for v in raw):
-        values = [int(v) for v in raw]
+        values = [int(v.partition(".")[0]) for v in raw]
         top = max(values)
         if num_classes is not None and top >= num_classes:
             raise DataError(

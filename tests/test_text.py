@@ -235,6 +235,10 @@ def test_map_labels_rules():
     assert map_labels(["b", "a", "b"]) == (["a", "b"], pytest.approx(np.array([1, 0, 1])))
     names, y = map_labels(["1", "0"], num_classes=4)
     assert names == ["0", "1", "2", "3"] and y.tolist() == [1, 0]
+    # a float column's integers are indices as well: 1.0 and 3.0 trained outputs 0 and 1
+    names, y = map_labels(["1.0", "3.0"], num_classes=4)
+    assert names == ["0", "1", "2", "3"] and y.tolist() == [1, 3]
+    assert map_labels(["1.5", "3.0"])[0] == ["1.5", "3.0"]
     names, y = map_labels(["1", "x"])  # not all integers: strings
     assert names == ["1", "x"] and y.dtype == np.int64
     with pytest.raises(DataError, match=r"has no labelled examples"):
