@@ -106,8 +106,9 @@ def read_text_file(path: str | os.PathLike) -> tuple[list[str], list[str]]:
 
     Raises:
         DataError: the file is missing or unreadable, is not ``.csv``/``.jsonl``, lacks a
-            column, has a row without a label, a CSV row of more fields than its header (an
-            unquoted comma) or a JSONL line that is not an object, or is empty.
+            column, has a row without a label, a JSON list or object for a text or label, a
+            CSV row of more fields than its header (an unquoted comma) or a JSONL line that
+            is not an object, or is empty.
     """
     path = Path(path)
     if not path.is_file():
@@ -124,6 +125,13 @@ def read_text_file(path: str | os.PathLike) -> tuple[list[str], list[str]]:
         label = row.get("label")
         if label is None or str(label).strip() == "":
             raise DataError(f"{path}:{line}: the row has no label: give every row a 'label'")
+        for column in ("text", "label"):  # JSON: str() would train on "['a', 'b']"
+            if isinstance(row.get(column), (list, dict)):
+                kind = "list" if isinstance(row[column], list) else "object"
+                raise DataError(
+                    f"{path}:{line}: the row's {column!r} is a JSON {kind}, not one "
+                    f"{'text' if column == 'text' else 'label'}: give a string"
+                )
         text = "" if row.get("text") is None else str(row["text"])
         for value in (text, str(label)):
             try:

@@ -166,6 +166,17 @@ def test_row_without_label(tmp_path):
         read_text_file(path)
 
 
+def test_jsonl_list_or_object_is_not_a_text_or_label(tmp_path):
+    """str() of it was trained on: "['good', 'film']", brackets and quotes."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a", "label": 1}\n{"text": ["good", "film"], "label": 0}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: the row's 'text' is a JSON list, not one"):
+        read_text_file(path)
+    path.write_text('{"text": "a", "label": {"id": 1}}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1: the row's 'label' is a JSON object"):
+        read_text_file(path)
+
+
 def test_csv_row_of_more_fields_than_the_header(tmp_path):
     """An unquoted comma: the text was cut there and the rest dropped, silently (label first),
     or the label taken from the text."""
