@@ -511,6 +511,9 @@ def test_checkpoint_digests_follow_saves_and_fallbacks(tmp_path):
     (tmp_path / "checkpoint.prev").write_bytes(b"garbage too")
     with pytest.raises(CheckpointError, match="is damaged"):
         verify_checkpoint(path)
+    # a record that is JSON but not a list of digests: none recorded (was an internal error)
+    (tmp_path / "checkpoint.sha256").write_text('{"sha256": 3}')
+    assert verify_checkpoint(path)
 
 
 # ---- image modes: every mode Pillow opens decodes to the right picture, or is refused -------
