@@ -271,12 +271,13 @@ def load_text_dataset(
     """Load ``--data FILE.csv|FILE.jsonl --tokenizer tokenizer.json`` for a token model
     (:func:`etgraph.text.load_text_data`): one ``[N, T]`` array per token input in that
     input's dtype (ids and masks are tokenized as int64, then cast: a float or bool mask, int32
-    ids), labels mapped to the head's classes (``class_names`` from the data), split
+    ids), labels mapped to the head's classes (``class_names`` from the data, or the model's
+    own when every label is one of them: :func:`etgraph.labels.known_class_names`), split
     stratified per class.
 
     Raises:
         DataError: as :func:`etgraph.text.check_text_options`; a loss other than ce; token
-            inputs of different or multi-dimensional per-sample shapes; and as
+            inputs of different or multi-dimensional per-sample shapes; one label only; and as
             :func:`etgraph.text.load_text_data`.
     """
     check_text_options(path, tokenizer)
@@ -299,7 +300,13 @@ def load_text_dataset(
         seq_len=next(iter(lengths.values()))[0],
         vocab_rows=ids.index_rows if ids is not None else None,
         num_classes=task.width,
+        known_names=task.class_names,
     )
+    if np.unique(text.labels).size < 2:  # as an image folder of one class
+        raise DataError(
+            f"text data {path} has one label ({text.class_names[text.labels[0]]!r}): a "
+            "classifier learns nothing from one; give rows of two labels or more"
+        )
     # each input in its own dtype: a float or bool attention mask, int32 ids
     arrays = {spec.name: text.inputs[spec.name].astype(spec.dtype, copy=False) for spec in inputs}
     train, val = stratified_split(text.labels, val_fraction, seed)

@@ -447,7 +447,7 @@ def _recorded(path: Path) -> list[str]:
         digests = json.loads(_sibling(path, DIGEST_SUFFIX).read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return [d for d in digests if isinstance(d, str)]
+    return [d for d in digests if isinstance(d, str)] if isinstance(digests, list) else []
 
 
 def _link_atomic(source: Path, destination: Path) -> None:

@@ -324,6 +324,7 @@ def profile_command(
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5).
     `etgraph compile` profiles too (cached) and `etgraph train DIR` reuses a compiled
     directory's profile: run this one to inspect or share a profile."""
+    from . import onnx_io
     from .files import ensure_writable_file
     from .io_specs import parse_input_shapes
     from .model import LoadedModel
@@ -331,7 +332,8 @@ def profile_command(
     from .profiler import profile_model
 
     parse_input_shapes(input_shape)  # malformed text is an error before the model loads
-    ensure_writable_file(out, "-o", inputs=[model])  # before measuring
+    # before measuring; not the model nor its external data
+    ensure_writable_file(out, "-o", inputs=onnx_io.model_files(model))
     cache = None if no_cache else (cache_dir or default_cache_dir())
     prof = profile_model(
         LoadedModel.load(model, output=model_output, loss=loss or "ce"),

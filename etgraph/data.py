@@ -57,6 +57,7 @@ from .images import (
     scan_image_folder,
 )
 from .io_specs import InputSpec, Task
+from .labels import known_class_names
 from .splits import Batch, Split, check_batch_size, check_num_classes, stratified_split
 from .text import check_text_options, is_text_file
 
@@ -235,6 +236,7 @@ def load_image_folder(
     seed: int = 0,
     check_images: bool = True,
     preprocess: Preprocess | None = None,
+    known_names: Sequence[str] = (),
 ) -> Dataset:
     """An image-folder dataset: ``root/<class>/<image>``; labels follow sorted folder names.
 
@@ -246,6 +248,9 @@ def load_image_folder(
         check_images: open every file's header now, so an unreadable file fails at load time
             rather than mid-training (decoding happens per batch).
         preprocess: the model's input normalisation (None: ImageNet mean/std, RGB).
+        known_names: the class names the model's head was trained with: when every folder is
+            one of them, labels are their indices there (and ``class_names`` these names), not
+            the folders' sorted order (:func:`etgraph.labels.known_class_names`).
 
     Raises:
         DataError: directory missing, empty, without class sub-folders, a class without images,
@@ -254,6 +259,10 @@ def load_image_folder(
     c, h, w = _check_input_shape(input_shape)
     root = Path(root)
     class_names, files, labels = scan_image_folder(root)
+    known = known_class_names(class_names, known_names)
+    if known is not None:  # the head's own indices (a model etgraph trained, fine-tuned again)
+        index = np.array([known.index(name) for name in class_names], dtype=np.int64)
+        class_names, labels = known, index[labels]
     if check_images:
         for p in files:
             try:
@@ -298,6 +307,7 @@ def load_dataset(
     val_fraction: float = 0.2,
     seed: int = 0,
     preprocess: Preprocess | None = None,
+    known_names: Sequence[str] = (),
 ) -> Dataset:
     """Load the dataset named by ``spec`` for a model with the given input shape.
 
@@ -310,6 +320,8 @@ def load_dataset(
         seed: train/validation split seed.
         preprocess: the model's input normalisation for image folders (None: ImageNet); the
             embedded digits keep their own (their mean/std), whatever it says.
+        known_names: for an image folder, the class names the model's head was trained with
+            (:func:`load_image_folder`).
 
     Returns:
         A :class:`Dataset`.
@@ -329,8 +341,9 @@ def load_dataset(
             val_fraction=val_fraction,
             seed=seed,
             preprocess=preprocess,
+            known_names=known_names,
         )
-    check_num_classes(ds.name, ds.num_classes, num_classes)
+    check_num_classes(ds.name, int(np.unique(ds.labels).size), num_classes)
     return ds
 
 
@@ -418,6 +431,7 @@ def load_task_data(
         val_fraction=val_fraction,
         seed=seed,
         preprocess=preprocess,
+        known_names=task.class_names,
     )
     if channels_last:
         log.info("input %s is channels-last %s: images fed [B, H, W, C]", names[0], list(dims))

@@ -468,20 +468,24 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
 
 
 def read_json(path: str | os.PathLike, *, what: str, if_missing: str, if_unreadable: str):
-    """The JSON document at ``path``.
+    """The JSON object at ``path`` (etgraph's files: plan, profile, memory model, run).
 
     Raises:
         ConfigError: ``"<what> <path> does not exist: <if_missing>"``, or ``"<what> <path> is
-            not readable JSON (<reason>): <if_unreadable>"``.
+            not readable JSON (<reason>): <if_unreadable>"`` (also for a document that is not
+            an object).
     """
     path = Path(path)
     label = f"{what} {path}" if what else str(path)
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise ConfigError(f"{label} does not exist: {if_missing}") from exc
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{label} is not readable JSON ({exc}): {if_unreadable}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label} is not readable JSON (not an object): {if_unreadable}")
+    return data
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -280,7 +280,9 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", 
 
 
 def scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
-    """Class names (sorted sub-folder names), image files and their labels under ``root``."""
+    """Class names (sorted sub-folder names), image files (at any depth under a class folder)
+    and their labels under ``root``; hidden files and folders (``.DS_Store``, ``.thumbnails/``)
+    are skipped."""
     if not root.exists():
         raise DataError(
             f"dataset directory {root} does not exist: pass --data an existing directory"
@@ -302,10 +304,11 @@ def scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
     files: list[Path] = []
     labels: list[int] = []
     for label, d in enumerate(subdirs):
-        named = [
+        named = [  # hidden files and folders skipped at any depth, as hidden classes are
             p
             for p in d.rglob("*")
-            if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+            if p.suffix.lower() in IMAGE_EXTENSIONS
+            and not any(part.startswith(".") for part in p.relative_to(d).parts)
         ]
         broken = [p for p in named if p.is_symlink() and not p.exists()]
         if broken:

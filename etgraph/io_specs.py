@@ -25,6 +25,7 @@ from passes.onnx.batch_dim import EXPORTED_BATCH_KEY
 
 from .errors import ConfigError, ModelError, NativeCrashError, UnsupportedOpError, first_line
 from .exporters import remedy
+from .labels import class_names_of
 from .ops import FLOAT_TYPES, op_rule
 
 __all__ = [
@@ -296,11 +297,16 @@ class Task:
             on ``[B, D]`` against float32 targets ``[B, D]`` (metric: the MSE itself).
         output: name of the graph output the loss is computed on.
         width: K (classes) or D (regression width); None when the model leaves it symbolic.
+        class_names: the label of each of the K outputs the head was trained with (a model
+            ``etgraph train`` exported: :func:`etgraph.labels.class_names_of`), or ``()``;
+            data whose labels are all among them keeps these indices
+            (:func:`etgraph.labels.known_class_names`). Not part of :meth:`to_json`.
     """
 
     loss: str
     output: str
     width: int | None
+    class_names: tuple[str, ...] = ()
 
     @property
     def label_name(self) -> str:
@@ -369,7 +375,10 @@ def task_of(model: onnx.ModelProto, loss: str = "ce", source: str | None = None)
     width = None
     if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
         width = int(dims[-1].dim_value)
-    return Task(loss, output.name, width)
+    names = class_names_of(model) if loss == "ce" else None
+    if names is None or len(names) != width:  # none, or not of this output (--output)
+        names = []
+    return Task(loss, output.name, width, tuple(names))
 
 
 def removed_head(model: onnx.ModelProto) -> str | None:

@@ -10,17 +10,20 @@ kept in three places so a prediction can always be read back as a label:
 - in memory, the dataset's ``class_names``.
 
 Mapping rules (:func:`map_labels`): string labels take indices in sorted order (as image
-folders do); labels that are all non-negative integers are the indices themselves (names
-``"0" .. "K-1"``); an existing mapping (e.g. the one saved with a run being resumed or a model's
-metadata) is used as is and every label must be one of its names. Labels the head cannot output
-are a :class:`~etgraph.errors.DataError` naming the label and the fix.
+folders do); labels that are all non-negative integers (``3``, or ``3.0`` as a float column
+writes it) are the indices themselves (names ``"0" .. "K-1"``); an existing mapping (e.g. the
+one saved with a run being resumed) is used as is and every label must be one of its names;
+the class names of a model etgraph trained (its metadata) are that mapping when every label is
+one of them (:func:`known_class_names`). Labels the head cannot output are a
+:class:`~etgraph.errors.DataError` naming the label and the fix.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +41,13 @@ CLASSES_FILE = "classes.json"
 MAX_CLASS_INDEX = 1_000_000
 
 
+#: A class index as text: digits, maybe with a zero fraction (``"3.0"``: a JSON number or a
+#: pandas column of floats, which is the index 3 as ``"3"`` is).
+_INDEX = re.compile(r"[0-9]+(\.0*)?")
+
+
 def _is_index(label: str) -> bool:
-    return label.isdigit() and label.isascii()
+    return _INDEX.fullmatch(label) is not None
 
 
 def map_labels(
@@ -48,6 +56,7 @@ def map_labels(
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
     source: str = "data",
+    known: Sequence[str] = (),
 ) -> tuple[list[str], np.ndarray]:
     """Map raw labels to output indices.
 
@@ -57,6 +66,8 @@ def map_labels(
         class_names: an existing mapping to use (index k = ``class_names[k]``); None derives one
             from ``raw``.
         source: what the labels come from, for error messages (a file name).
+        known: the class names the model's head was trained with; used as ``class_names``
+            when every label is one of them (:func:`known_class_names`).
 
     Returns:
         ``(class_names, labels)``: the names (length K when ``num_classes`` is given and the
@@ -70,6 +81,8 @@ def map_labels(
     raw = [str(v) for v in raw]
     if not raw:
         raise DataError(f"{source} has no labelled examples: add rows with a 'label'")
+    if class_names is None:
+        class_names = known_class_names(raw, known)
     if class_names is not None:
         names = [str(v) for v in class_names]
         if num_classes is not None and len(names) > num_classes:
@@ -86,7 +99,7 @@ def map_labels(
             )
         return names, np.array([index[v] for v in raw], dtype=np.int64)
     if all(_is_index(v) for v in raw):
-        values = [int(v) for v in raw]
+        values = [int(v.partition(".")[0]) for v in raw]
         top = max(values)
         if num_classes is not None and top >= num_classes:
             raise DataError(
@@ -108,6 +121,17 @@ def map_labels(
         )
     index = {name: k for k, name in enumerate(names)}
     return names, np.array([index[v] for v in raw], dtype=np.int64)
+
+
+def known_class_names(labels: Iterable[str], model_names: Sequence[str]) -> list[str] | None:
+    """The class names a model's head was trained with (``model_names``, index k = output k:
+    :attr:`etgraph.io_specs.Task.class_names`) when every one of the data's ``labels`` is among
+    them — the data is of a task the head knows, its labels keep the head's indices, even when
+    some classes are absent — else None (a new task: the data's own mapping)."""
+    names = [str(v) for v in model_names]
+    if names and set(map(str, labels)) <= set(names):
+        return names
+    return None
 
 
 def save_class_names(directory: str | os.PathLike, class_names: Sequence[str]) -> Path:
@@ -160,10 +184,15 @@ def set_class_names(model: onnx.ModelProto, class_names: Sequence[str]) -> None:
 
 
 def class_names_of(model: onnx.ModelProto) -> list[str] | None:
-    """The class names in ``model.metadata_props``, or None if it has none."""
+    """The class names in ``model.metadata_props``, or None if it has none (or an entry that
+    is not a JSON list)."""
     for prop in model.metadata_props:
         if prop.key == METADATA_KEY:
-            return [str(v) for v in json.loads(prop.value)]
+            try:
+                names = json.loads(prop.value)
+            except ValueError:
+                return None
+            return [str(v) for v in names] if isinstance(names, list) else None
     return None
 
 

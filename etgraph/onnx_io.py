@@ -55,6 +55,7 @@ __all__ = [
     "export_with_original_outputs",
     "legalize",
     "load_model",
+    "model_files",
     "model_hash",
     "model_structure",
     "original_outputs",
@@ -88,6 +89,25 @@ def read_onnx(path: str | os.PathLike) -> onnx.ModelProto:
             _read_external(tensor, folder, path)
         _check_size(tensor, path)
     return model
+
+
+def model_files(path: str | os.PathLike) -> list[Path]:
+    """The files the ONNX model ``path`` is read from: ``path`` and its external-data files
+    (``model.onnx.data``), which no output may replace. Just ``[path]`` when it cannot be
+    parsed (:func:`read_onnx` says why when the model is loaded)."""
+    path = Path(path)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not a model: loading it is the error
+        return [path]
+    locations = {
+        entry.value
+        for tensor in external_data_helper._get_all_tensors(model)
+        if external_data_helper.uses_external_data(tensor)
+        for entry in tensor.external_data
+        if entry.key == "location" and entry.value
+    }
+    return [path, *(path.parent / location for location in sorted(locations))]
 
 
 def _check_text(message, path: Path, where: str = "model") -> None:

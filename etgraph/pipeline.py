@@ -22,7 +22,7 @@ import onnx
 
 from passes.onnx import DEFAULT_FROZEN_BN, check_head_lr_scale
 
-from . import graph, memory_profiler, profile, profiler, selection
+from . import graph, memory_profiler, onnx_io, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
 from .data import DEFAULT_MODEL_PATH, load_task_data, recorded_spec
 from .errors import ConfigError, HeadLrScaleError
@@ -396,7 +396,7 @@ def compile_model(
     source = Path(model_path) if model_path is not None else Path(DEFAULT_MODEL_PATH)
     _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head_lr_scale)
     created = not Path(out_dir).exists()
-    out = prepare_compiled_dir(out_dir, inputs=[source, data, tokenizer])
+    out = prepare_compiled_dir(out_dir, inputs=[*onnx_io.model_files(source), data, tokenizer])
     settings = dict(
         rho=rho,
         batch_size=batch_size,

@@ -48,7 +48,7 @@ import onnx
 
 from passes.onnx import DEFAULT_FROZEN_BN
 
-from . import timing
+from . import onnx_io, timing
 from .artifacts import check_frozen_bn
 from .config import TrainConfig
 from .errors import ConfigError, ModelError, ProfileMismatchError
@@ -366,7 +366,8 @@ class Plan:
                 holds it, or an entry would replace a special file or one of the plan's inputs.
             ModelError: the selection's artifacts cannot be generated.
         """
-        out = prepare_compiled_dir(out_dir, inputs=[self.model.source, self.data, self.tokenizer])
+        model_files = onnx_io.model_files(self.model.source)
+        out = prepare_compiled_dir(out_dir, inputs=[*model_files, self.data, self.tokenizer])
         with exclusive_lock(out, "-o"):
             self.write(out)
         return out

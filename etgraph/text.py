@@ -106,8 +106,9 @@ def read_text_file(path: str | os.PathLike) -> tuple[list[str], list[str]]:
 
     Raises:
         DataError: the file is missing or unreadable, is not ``.csv``/``.jsonl``, lacks a
-            column, has a row without a label or a JSONL line that is not an object, or is
-            empty.
+            column, has a row without a label, a JSON list or object for a text or label, a
+            CSV row of more fields than its header (an unquoted comma) or a JSONL line that
+            is not an object, or is empty.
     """
     path = Path(path)
     if not path.is_file():
@@ -124,6 +125,13 @@ def read_text_file(path: str | os.PathLike) -> tuple[list[str], list[str]]:
         label = row.get("label")
         if label is None or str(label).strip() == "":
             raise DataError(f"{path}:{line}: the row has no label: give every row a 'label'")
+        for column in ("text", "label"):  # JSON: str() would train on "['a', 'b']"
+            if isinstance(row.get(column), (list, dict)):
+                kind = "list" if isinstance(row[column], list) else "object"
+                raise DataError(
+                    f"{path}:{line}: the row's {column!r} is a JSON {kind}, not one "
+                    f"{'text' if column == 'text' else 'label'}: give a string"
+                )
         text = "" if row.get("text") is None else str(row["text"])
         for value in (text, str(label)):
             try:
@@ -162,7 +170,16 @@ def _read_csv(path: Path) -> list[tuple[int, dict]]:
                 columns = reader.fieldnames or []
                 if "text" not in columns or "label" not in columns:
                     raise _missing_columns(path, columns)
-                return [(reader.line_num, row) for row in reader]
+                rows = []
+                for row in reader:
+                    if None in row:  # csv.DictReader's key of the fields beyond the header's
+                        raise DataError(
+                            f"{path}:{reader.line_num}: the row has {len(columns) + len(row[None])}"
+                            f" fields, the header {len(columns)}: quote a text that holds "
+                            'commas ("a, b")'
+                        )
+                    rows.append((reader.line_num, row))
+                return rows
             except csv.Error as exc:
                 raise DataError(
                     f"{path}:{reader.line_num}: not readable CSV ({exc}): save it as CSV with a "
@@ -289,6 +306,7 @@ def load_text_data(
     vocab_rows: int | None = None,
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
+    known_names: Sequence[str] = (),
 ) -> TextData:
     """Read, label and tokenize a text file for a token model.
 
@@ -300,6 +318,8 @@ def load_text_data(
         vocab_rows: rows of the model's word-embedding table (checked against the tokenizer).
         num_classes: the head's output width K (labels are checked against it).
         class_names: an existing label mapping to apply (e.g. saved with a run).
+        known_names: the class names the model's head was trained with, kept when every label
+            is one of them (:func:`etgraph.labels.known_class_names`).
 
     Returns:
         A :class:`TextData`.
@@ -310,7 +330,7 @@ def load_text_data(
     """
     texts, raw = read_text_file(path)
     names, labels = map_labels(
-        raw, num_classes=num_classes, class_names=class_names, source=str(path)
+        raw, num_classes=num_classes, class_names=class_names, source=str(path), known=known_names
     )
     tokenizer = load_tokenizer(tokenizer_path, vocab_rows=vocab_rows)
     inputs = tokenize(tokenizer, texts, seq_len, input_names)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from PIL import Image
 
@@ -10,6 +11,8 @@ from etgraph import data
 from etgraph.data import load_dataset
 from etgraph.errors import DataError
 from etgraph.images import IMAGENET_MEAN, IMAGENET_STD
+from etgraph.labels import map_labels, set_class_names
+from etgraph.model import LoadedModel
 
 SHAPE = (3, 32, 32)
 
@@ -119,6 +122,17 @@ def test_image_folder_loads_classes_shapes_and_normalisation(tmp_path):
     np.testing.assert_allclose(x[0, :, 4, 4], expected, atol=1e-5)
 
 
+def test_hidden_folders_inside_a_class_are_skipped(tmp_path):
+    """As hidden class folders are: thumbnails in cat/.thumbnails/ were examples of cat (copies
+    of its images, some in validation); nested visible folders still count."""
+    root = make_folder(tmp_path / "ds", classes=("cat", "dog"), per_class=5)
+    for name in (".thumbnails", "more"):
+        (root / "cat" / name).mkdir()
+        (root / "cat" / name / "img0.png").write_bytes((root / "cat" / "img0.png").read_bytes())
+    ds = load_dataset(root, input_shape=SHAPE)
+    assert int((ds.labels == 0).sum()) == 6
+
+
 def test_image_folder_flips_only_training_batches(tmp_path):
     root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=8, size=(8, 8))
     ds = load_dataset(root, input_shape=(3, 8, 8))
@@ -218,3 +232,29 @@ def test_bad_arguments(tmp_path):
     ds = load_dataset(root, input_shape=SHAPE)
     with pytest.raises(DataError, match="fewer than the batch size"):
         next(ds.train_batches(8, seed=0))
+
+
+def test_a_trained_heads_class_names_keep_their_indices(tmp_path, default_model_path):
+    """A model etgraph trained carries its class names (metadata): data of a subset of them
+    (fine-tuning it again) keeps the head's indices instead of renumbering the folders from 0,
+    which trained sport texts on business's output; data of new names is a new task."""
+    proto = onnx.load(str(default_model_path))
+    set_class_names(proto, ["ant", "bee", "cat", "dog", "eel"])
+    model = LoadedModel.from_proto(proto, source=default_model_path)
+    assert model.task.class_names == ("ant", "bee", "cat", "dog", "eel")
+
+    def load(root):
+        return data.load_task_data(
+            root, inputs=model.inputs, shapes=model.input_shapes(), task=model.task
+        )
+
+    ds = load(make_folder(tmp_path / "known", classes=("bee", "eel"), per_class=2))
+    assert ds.class_names == ["ant", "bee", "cat", "dog", "eel"]
+    assert sorted(set(ds.labels.tolist())) == [1, 4]
+    ds = load(make_folder(tmp_path / "new", classes=("x", "y"), per_class=2))
+    assert ds.class_names == ["x", "y"] and sorted(set(ds.labels.tolist())) == [0, 1]
+    with pytest.raises(DataError, match="has 1 class"):
+        load(make_folder(tmp_path / "one", classes=("bee",), per_class=2))
+    names, labels = map_labels(["tech", "sport"], known=["business", "sport", "tech"])
+    assert names == ["business", "sport", "tech"] and labels.tolist() == [2, 1]
+    assert map_labels(["a", "b"], known=["b", "c"])[0] == ["a", "b"]

@@ -209,6 +209,10 @@ def test_settings_are_checked_and_read_from_a_flower_run_config():
     assert parse_faults(["1:crash:2"]) == ((1, "crash", 2),)
     with pytest.raises(ConfigError, match="CLIENT:KIND:ROUND"):
         parse_faults(["1:crash"])
+    FederateConfig(clients=2, rounds=3, strategy="fedavg-full", faults=("1:crash:3",)).validate()
+    for fault in ("2:crash:1", "-1:crash:1", "0:hang:4", "0:late:0"):  # never fired
+        with pytest.raises(ConfigError, match="names no client round of this run"):
+            FederateConfig(clients=2, rounds=3, strategy="fedavg-full", faults=(fault,)).validate()
 
 
 def test_the_strategy_aggregates_what_arrived_and_records_failed_late_and_silent_clients(

@@ -145,6 +145,9 @@ def test_read_plan(tmp_path):
     (tmp_path / "plan.json").write_text("{not json")
     with pytest.raises(ConfigError, match="plan.json is not readable JSON"):
         read_plan(tmp_path)
+    (tmp_path / "plan.json").write_text("[]")  # JSON, not an object: was an internal error
+    with pytest.raises(ConfigError, match=r"plan.json is not readable JSON \(not an object\)"):
+        read_plan(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,26 @@ def test_row_without_label(tmp_path):
         read_text_file(path)
 
 
+def test_jsonl_list_or_object_is_not_a_text_or_label(tmp_path):
+    """str() of it was trained on: "['good', 'film']", brackets and quotes."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a", "label": 1}\n{"text": ["good", "film"], "label": 0}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: the row's 'text' is a JSON list, not one"):
+        read_text_file(path)
+    path.write_text('{"text": "a", "label": {"id": 1}}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1: the row's 'label' is a JSON object"):
+        read_text_file(path)
+
+
+def test_csv_row_of_more_fields_than_the_header(tmp_path):
+    """An unquoted comma: the text was cut there and the rest dropped, silently (label first),
+    or the label taken from the text."""
+    path = tmp_path / "d.csv"
+    path.write_text('label,text\npos,"quoted, fine"\nneg,great, really\n')
+    with pytest.raises(DataError, match=r"d.csv:3: the row has 3 fields, the header 2: quote"):
+        read_text_file(path)
+
+
 def test_bad_jsonl_line_and_suffix(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a", "label": 1}\n[1, 2]\n')
@@ -226,6 +246,10 @@ def test_map_labels_rules():
     assert map_labels(["b", "a", "b"]) == (["a", "b"], pytest.approx(np.array([1, 0, 1])))
     names, y = map_labels(["1", "0"], num_classes=4)
     assert names == ["0", "1", "2", "3"] and y.tolist() == [1, 0]
+    # a float column's integers are indices as well: 1.0 and 3.0 trained outputs 0 and 1
+    names, y = map_labels(["1.0", "3.0"], num_classes=4)
+    assert names == ["0", "1", "2", "3"] and y.tolist() == [1, 3]
+    assert map_labels(["1.5", "3.0"])[0] == ["1.5", "3.0"]
     names, y = map_labels(["1", "x"])  # not all integers: strings
     assert names == ["1", "x"] and y.dtype == np.int64
     with pytest.raises(DataError, match=r"has no labelled examples"):
@@ -291,6 +315,14 @@ def test_load_task_data_text(tmp_path, tok_path):
     x, y = next(ds.train_batches(3, seed=1))
     assert sorted(x) == ["attention_mask", "input_ids"] and x["input_ids"].shape == (3, 6)
     assert y.dtype == np.int64
+
+
+def test_text_of_one_label_is_refused(tmp_path, tok_path):
+    """As an image folder of one class: it trained to 100 % accuracy on nothing."""
+    specs, shapes, task = _token_model()
+    one = write_csv(tmp_path / "d.csv", [r for r in ROWS if r[1] == "pos"])
+    with pytest.raises(DataError, match=r"d.csv has one label \('pos'\): a classifier learns"):
+        load_task_data(one, inputs=specs, shapes=shapes, task=task, tokenizer=tok_path)
 
 
 @pytest.mark.parametrize(("ids", "mask"), [("int32", "float32"), ("int64", "bool")])

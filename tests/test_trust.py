@@ -202,6 +202,18 @@ def test_profile_output_on_its_own_model_is_refused(cli, tmp_path):
     assert_user_error(cli("profile", model, "-o", link), "would replace the input")
 
 
+def test_profile_output_on_its_models_external_data_is_refused(cli, tmp_path):
+    """The weights beside the model are an input too: -o model.onnx.data wrote the profile
+    over them (the model could not be loaded again)."""
+    model = tmp_path / "m.onnx"
+    onnx.save(small_model(), str(model), save_as_external_data=True, location="m.onnx.data",
+              size_threshold=0)  # fmt: skip
+    weights = tmp_path / "m.onnx.data"
+    before = weights.read_bytes()
+    assert_user_error(cli("profile", model, "-o", weights), f"would replace the input {weights}")
+    assert weights.read_bytes() == before
+
+
 # ---- nothing lost: compile builds beside the last good one; one process per directory ------
 
 QUICK_TRAIN = ["--epochs", "1", "--max-steps-per-epoch", "2", "--max-val-batches", "1", "--quiet"]
@@ -499,6 +511,9 @@ def test_checkpoint_digests_follow_saves_and_fallbacks(tmp_path):
     (tmp_path / "checkpoint.prev").write_bytes(b"garbage too")
     with pytest.raises(CheckpointError, match="is damaged"):
         verify_checkpoint(path)
+    # a record that is JSON but not a list of digests: none recorded (was an internal error)
+    (tmp_path / "checkpoint.sha256").write_text('{"sha256": 3}')
+    assert verify_checkpoint(path)
 
 
 # ---- image modes: every mode Pillow opens decodes to the right picture, or is refused -------

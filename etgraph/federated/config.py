@@ -130,7 +130,12 @@ class FederateConfig:
             raise ConfigError("--window must be in [0, 1] and --global-importance in [0, 1]")
         if not self.round_timeout_s > 0:
             raise ConfigError("the round timeout must be positive")
-        parse_faults(self.faults)
+        for pid, kind, rnd in parse_faults(self.faults):  # else it never fires, silently
+            if not (0 <= pid < self.clients and 1 <= rnd <= self.rounds):
+                raise ConfigError(
+                    f"fault {pid}:{kind}:{rnd} names no client round of this run: CLIENT is "
+                    f"0..{self.clients - 1} and ROUND 1..{self.rounds}"
+                )
         return self
 
     # -- what the strategy means for a client ------------------------------------------------
