@@ -228,6 +228,11 @@ def _train_config(plan, opts: dict):
         click.echo(f"training on the data {model_name(plan)} was compiled with: {data}", err=True)
     check_text_options(data, tokenizer)  # before the model is profiled
     deadline = opts["deadline"]
+    if deadline is not None and opts["rho"] is not None:  # else --rho is ignored, silently
+        raise ConfigError(
+            "--rho and --deadline both set the step time (with --deadline the run picks rho "
+            "each period to end in time): give one of them"
+        )
     return TrainConfig(
         epochs=opts["epochs"],
         batch_size=_or_plan(opts["batch_size"], plan, "batch_size", 4),

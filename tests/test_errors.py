@@ -347,6 +347,15 @@ def test_train_bad_dataset(cli, profile_json, bad_datasets, tmp_path, case):
     assert_user_error(done, *fragments)
 
 
+def test_rho_with_a_deadline_is_refused(cli, profile_json, tmp_path):
+    """--deadline picks rho each period: a --rho beside it was ignored silently (the summary
+    said "requested 1.00")."""
+    done = cli("train", "--profile", profile_json, "--rho", "0.4", "--deadline", "10m",
+               "--out", tmp_path / "run", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "--rho and --deadline", "give one of them")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("profiled", [True, False])
 def test_train_output_directory_not_writable(cli, profile_json, tmp_path, profiled, monkeypatch):
     """Refused before any work: without a profile, before the model is profiled."""
