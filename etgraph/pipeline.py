@@ -25,7 +25,7 @@ from passes.onnx import DEFAULT_FROZEN_BN, check_head_lr_scale
 from . import graph, memory_profiler, onnx_io, profile, profiler, selection
 from .artifacts import ArtifactCache, check_frozen_bn
 from .data import DEFAULT_MODEL_PATH, load_task_data, recorded_spec
-from .errors import ConfigError, HeadLrScaleError
+from .errors import ConfigError, DataError, HeadLrScaleError
 from .files import exclusive_lock, private_temp_dir
 from .images import DEFAULT_PREPROCESS, Preprocess
 from .importance import probe_importance
@@ -75,6 +75,12 @@ def _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head
     check_rho(rho)
     if head_lr_scale is not None:
         check_head_lr_scale(head_lr_scale)
+    if data is not None and not isinstance(data, (str, os.PathLike)):
+        raise DataError(
+            "compile's data is a spec (digits, an image folder, FILE.npz, FILE.csv|.jsonl), "
+            f"not {type(data).__name__}: give arrays in memory to plan.trainer(config, "
+            "data=...), which measures importance on them at its first period"
+        )
     check_text_options(data, tokenizer)
     check_batch_size(batch_size)
     check_frozen_bn(frozen_bn)
@@ -153,7 +159,8 @@ def compile(  # noqa: A001 (the API's verb, as torch.compile)
         ConfigError: bad rho, batch size, input shape, output or loss.
         InfeasibleBudgetError: rho is below what the forward pass costs (gives the smallest rho).
         InfeasibleMemoryError: no selection fits ``memory_mb`` (gives the smallest budget).
-        DataError: the probe dataset cannot be loaded.
+        DataError: the probe dataset cannot be loaded, or ``data`` is not a spec (arrays in
+            memory go to :meth:`Plan.trainer`).
     """
     _check_settings(rho, batch_size, data, tokenizer, frozen_bn, memory_mb, head_lr_scale)
     say = progress or (lambda line: None)

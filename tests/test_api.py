@@ -192,6 +192,15 @@ def test_in_memory_data_is_checked_against_the_model(default_model):
     assert (ds.n_train, ds.n_val) == (40, 8)
 
 
+def test_compile_refuses_arrays_in_memory_in_one_line():
+    """``etgraph.compile(data=...)`` takes a data spec; arrays in memory (the README's example
+    data) were a TypeError from pathlib, now the one-line DataError naming where they go."""
+    x, y = digits_arrays(8)
+    for data in ((x, y), [(x, y)], x):
+        with pytest.raises(etgraph.DataError, match=r"plan\.trainer\(config, data=\.\.\.\)"):
+            etgraph.compile(rho=0.5, data=data)
+
+
 @pytest.mark.slow
 def test_the_readme_python_example_runs_as_written(tmp_path, cache_env):
     """The README's "Python API" example, verbatim, in a fresh interpreter: it compiles, trains,
