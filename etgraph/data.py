@@ -357,9 +357,11 @@ def recorded_spec(spec: str | os.PathLike | None) -> str | None:
     """A data or tokenizer spec as a plan or a run records it: a path made absolute (a
     compiled directory is trained, a run resumed, from any working directory), ``digits`` and
     None as they are."""
-    if spec is None or str(spec) == "digits":
-        return None if spec is None else "digits"
-    return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+    if spec is None:
+        return None
+    if str(spec) == "digits" or not Path(spec).exists():
+        return str(spec)
+    return str(Path(spec).resolve())
 
 
 def reloadable(data, spec: str | os.PathLike | None) -> bool:

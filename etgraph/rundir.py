@@ -245,15 +245,15 @@ def check_run_dir(out: Path, inputs: Iterable = ()) -> None:
 
 
 def prepare_run_dir(out: Path, inputs: Iterable = ()) -> Path:
-    """Create ``out`` for a new run: writable (:func:`etgraph.files.ensure_writable_dir`) and
-    accepted by :func:`check_run_dir`.
+    """Create ``out`` for a new run once :func:`check_run_dir` accepts it (checked first, so
+    nothing is created where it refuses, e.g. inside an image folder), writable
+    (:func:`etgraph.files.ensure_writable_dir`).
 
     Raises:
         ConfigError: ``out`` cannot be written, or :func:`check_run_dir` refuses it.
     """
-    files.check_outside_folders(out, inputs, "--out")  # before ensure_writable_dir creates it
-    files.ensure_writable_dir(out, "--out")
     check_run_dir(out, inputs)
+    files.ensure_writable_dir(out, "--out")
     if (out / RUN_FILE).exists():
         log.info("%s holds a run that saved no checkpoint: starting it over", out)
     return out
