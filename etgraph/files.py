@@ -66,7 +66,7 @@ LOCK_FILE = ".etgraph-lock"
 #: Name prefix of etgraph's temporary directories: ``etgraph-<kind>-<pid>-<random>``
 #: (:func:`private_temp_dir`; hidden inside a directory being built: :func:`staged_directory`).
 _TEMP_PREFIX = "etgraph-"
-_TEMP_NAME = re.compile(r"\.?etgraph-[a-z]+-(\d+)-[^/]+")
+_TEMP_NAME = re.compile(r"\.?etgraph-[a-z]+(?:-[a-z]+)*-(\d+)-[^/]+")
 
 
 def temporary_prefix(name: str) -> str:

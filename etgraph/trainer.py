@@ -142,6 +142,7 @@ class ElasticTrainer(WeightsAccess):
         self._lock = contextlib.ExitStack()  # one process per run directory: its lock, held
         if self.out is not None and not resuming:
             rundir.prepare_run_dir(self.out, (model.source, config.data, config.tokenizer))
+        files.sweep_stale_temp_dirs()  # what killed etgraph processes left (as the CLI does)
         self._tmp = None if self.out is not None else files.private_temp_dir("train")
         self.work_dir = self.out / rundir.SESSION_DIR if self._tmp is None else Path(self._tmp.name)
         self.source_model = model

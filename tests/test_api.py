@@ -5,6 +5,9 @@ weights in and out."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +121,21 @@ def test_fit_on_arrays_in_memory_writes_no_file(tmp_path, default_model, default
     assert work.is_dir()
     trainer.close()
     assert not work.exists()
+
+
+def test_a_trainer_removes_what_killed_etgraph_processes_left(
+    tmp_path, monkeypatch, default_model, default_profile
+):
+    """A program on the library API, killed mid-run (a Flower SuperNode, a notebook kernel),
+    leaves its private temporary directory; the next trainer removes it, as the CLI does."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = "import os, etgraph.files as f; d = f.private_temp_dir('train'); os.kill(os.getpid(), 9)"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)})
+    (stale,) = tmp_path.iterdir()
+    x, y = digits_arrays(16)
+    trainer = etgraph.ElasticTrainer(default_model, default_profile[0], data=(x, y))
+    assert not stale.exists() and list(tmp_path.iterdir()) == [trainer.work_dir]
+    trainer.close()
 
 
 @pytest.mark.slow

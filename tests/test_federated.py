@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -661,6 +662,9 @@ def test_a_killed_run_with_faulty_clients_resumes_and_trains_within_deadlines(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "strategy elastic-fedel: 3 rounds" in done.stdout
+    caches = Path(tempfile.gettempdir()).glob("etgraph-fl-artifacts-*")
+    left = [p for p in caches if not _alive(int(p.name.split("-")[3]))]
+    assert left == []  # the killed run's Ray workers' caches are swept at the resume
     lines = (out / "log.jsonl").read_text().splitlines()
     assert lines[0] == first  # the round before the kill is kept as it was
     records = [json.loads(line) for line in lines]

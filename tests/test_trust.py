@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -32,6 +33,7 @@ from helpers import (
 from onnx import external_data_helper, helper
 from PIL import Image, ImageCms
 
+from etgraph import files
 from etgraph.errors import ModelError
 from etgraph.model import LoadedModel
 
@@ -378,7 +380,6 @@ def test_temporary_directories_of_killed_processes_are_swept(tmp_path):
 
 
 def test_transient_files_go_to_ram_where_there_is_room_and_never_stay(tmp_path, monkeypatch):
-    from etgraph import files
 
     ram, disk = tmp_path / "ram", tmp_path / "disk"
     ram.mkdir()
@@ -396,6 +397,27 @@ def test_transient_files_go_to_ram_where_there_is_room_and_never_stay(tmp_path, 
     stale = ram / f"etgraph-transient-{dead.pid}-abc"
     stale.mkdir()
     assert stale in files.sweep_stale_temp_dirs() and not stale.exists()
+
+
+def test_the_temporary_directories_of_a_killed_process_are_swept_whatever_their_kind(tmp_path):
+    # every kind etgraph makes; "fl-artifacts" (a Flower client's cache, ~20 MB per Ray worker,
+    # whose workers are killed at the simulation's end) once escaped the sweep by its hyphen
+    sources = "".join(p.read_text() for p in Path(files.__file__).parent.rglob("*.py"))
+    kinds = set(re.findall(r'private_temp_dir\(\s*"([^"]+)"', sources))
+    assert {"fl-artifacts", "baked", "train"} <= kinds
+    code = (
+        "import os, sys; from etgraph.files import private_temp_dir\n"
+        "dirs = [private_temp_dir(k, dir=sys.argv[1]) for k in sys.argv[2:]]\n"
+        "print(flush=True); os.kill(os.getpid(), 9)"
+    )
+    child = subprocess.run([sys.executable, "-c", code, tmp_path, *sorted(kinds)], check=False)
+    assert child.returncode == -signal.SIGKILL
+    left = sorted(tmp_path.iterdir())
+    assert len(left) == len(kinds)
+    keep = tmp_path / "etgraph-ablation-text-1tkm_h96"  # not a private_temp_dir name: kept
+    keep.mkdir()
+    assert sorted(files.sweep_stale_temp_dirs(tmp_path)) == left
+    assert list(tmp_path.iterdir()) == [keep]
 
 
 def test_ctrl_c_while_profiling_does_not_suggest_resuming_a_run_that_was_not_started(tmp_path):
