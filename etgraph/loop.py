@@ -27,9 +27,9 @@ from . import rundir
 from .arrays import ArrayDataset
 from .config import TrainConfig
 from .data import Dataset
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, DataError, ModelError
 from .events import Callback, RunDirectoryLog
-from .labels import save_class_names
+from .labels import load_class_names, save_class_names
 from .memory import MemoryProfile
 from .model import LoadedModel
 from .profile import Profile
@@ -136,6 +136,32 @@ def start_run(trainer: ElasticTrainer, profile: Profile) -> None:
     trainer.callbacks.insert(0, RunDirectoryLog(out))
 
 
+def _check_same_classes(out: Path, class_names: Sequence[str]) -> None:
+    """Refuse to resume the run in ``out`` on data whose classes (``class_names``, label index
+    -> name) are not the ones its head trained with (``classes.json``): the head's outputs
+    would change meaning mid-run, silently (a class folder added or removed since the start
+    renumbers the others).
+
+    Raises:
+        DataError: the class names differ.
+    """
+    saved = load_class_names(out)
+    names = [str(v) for v in class_names]
+    if saved is None or not names or names == saved:
+        return
+    added, missing = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    change = "; ".join(
+        f"{what} {', '.join(group[:5])}{' ...' if len(group) > 5 else ''}"
+        for what, group in (("new classes", added), ("missing", missing))
+        if group
+    )
+    raise DataError(
+        f"the data's classes are not the ones the run in {out} trained with "
+        f"({change or 'numbered in another order'}): resume with the data as it was, or "
+        "start a new run"
+    )
+
+
 def resume_trainer(
     out_dir: str | os.PathLike,
     *,
@@ -161,7 +187,8 @@ def resume_trainer(
             configuration or model.
         ConfigError: ``epochs`` fewer than the run's.
         DataError: the run was given data in memory and ``data`` (or ``val_data``) is not
-            given again; the data recorded for the run can no longer be used.
+            given again; the data recorded for the run can no longer be used; its classes are
+            not the run's (:func:`_check_same_classes`).
         ModelError, ProfileMismatchError: the model or profile recorded for the run can no
             longer be used.
     """
@@ -198,6 +225,11 @@ def resume_trainer(
         artifacts_root=artifacts_root,
         resuming=True,
     )
+    try:
+        _check_same_classes(out, trainer.dataset.class_names)
+    except DataError:
+        trainer.close()
+        raise
     rundir.remove_temporaries(out)
     if trainer.dataset.class_names:  # the same mapping again (a kill may have come first)
         save_class_names(out, trainer.dataset.class_names)

@@ -477,3 +477,35 @@ def test_a_run_on_data_in_memory_resumes_only_with_it_given_again(
         etgraph.ElasticTrainer.resume(run, data=data)
     with etgraph.ElasticTrainer.resume(run, data=data, val_data=val_data) as resumed:
         assert resumed.epoch == 1 and resumed.dataset.n_val == 20
+
+
+def test_a_run_does_not_resume_on_data_whose_classes_changed(
+    tmp_path, default_model, default_profile
+):
+    """A class folder added to the image folder of a run between its kill and its resume
+    renumbers the classes after it: the resume is refused in one line, ``classes.json`` kept
+    (was: resumed on the new numbering, the head's outputs silently meaning other classes)."""
+    from PIL import Image
+
+    folder, rng = tmp_path / "images", np.random.default_rng(0)
+    for label in ("cat", "dog", "bird"):
+        (folder / label).mkdir(parents=True)
+        for i in range(8):
+            pixels = rng.integers(0, 256, (16, 16), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / label / f"{i}.png")
+    hidden = tmp_path / "bird"
+    (folder / "bird").rename(hidden)
+    config = etgraph.TrainConfig(epochs=2, period=1, max_steps_per_epoch=2, closed_loop=False)
+    run = tmp_path / "run"
+    with etgraph.ElasticTrainer(
+        default_model, default_profile[0], config, data=folder, out_dir=run
+    ) as trainer:
+        trainer.train_epoch()  # period 0 ends: its checkpoint
+    saved = (run / "classes.json").read_text()
+    hidden.rename(folder / "bird")
+    with pytest.raises(etgraph.DataError, match=r"not the ones the run .* \(new classes bird\)"):
+        etgraph.ElasticTrainer.resume(run)
+    assert (run / "classes.json").read_text() == saved
+    (folder / "bird").rename(hidden)
+    with etgraph.ElasticTrainer.resume(run) as resumed:
+        assert resumed.epoch == 1 and resumed.dataset.class_names == ["cat", "dog"]
