@@ -216,6 +216,22 @@ def test_settings_are_checked_and_read_from_a_flower_run_config():
             FederateConfig(clients=2, rounds=3, strategy="fedavg-full", faults=(fault,)).validate()
 
 
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--strategy", "fedavg-full", "--round-deadline", "30s"], "drop --round-deadline"),
+        (["--strategy", "fedavg-drop", "--round-deadline", "2s", "--window", "0.3"], "--window"),
+        (["--strategy", "fedavg-full", "--global-importance", "0.5"], "--global-importance"),
+    ],
+)
+def test_options_the_strategy_would_ignore_are_refused(tmp_path, args, fragment):
+    from tests.helpers import assert_user_error, run_cli_in_process
+
+    done = run_cli_in_process("federate", "-o", tmp_path / "run", *args)
+    assert_user_error(done, fragment)
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_strategy_aggregates_what_arrived_and_records_failed_late_and_silent_clients(
     monkeypatch,
 ):

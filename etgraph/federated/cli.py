@@ -46,6 +46,29 @@ def _round_line(record: dict) -> str:
     )
 
 
+def _check_strategy_options(opts: dict) -> None:
+    """Refuse options the chosen ``--strategy`` would ignore (a run that silently does not
+    do what its command line says).
+
+    Raises:
+        ConfigError: ``--round-deadline`` with ``fedavg-full`` (it waits for every client),
+            ``--window`` or ``--global-importance`` with a FedAvg strategy.
+    """
+    strategy = opts["strategy"]
+    if strategy == "fedavg-full" and opts["round_deadline"] is not None:
+        raise ConfigError(
+            "--strategy fedavg-full waits for every client: drop --round-deadline, or use "
+            "--strategy fedavg-drop to drop the clients that miss it"
+        )
+    for name in ("window", "global_importance"):
+        if not strategy.startswith("elastic") and opts[name] is not None:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} shapes what elastic clients select: use it with --strategy elastic "
+                f"or elastic-fedel, not {strategy}"
+            )
+
+
 @click.command("federate")
 @click.argument("model", required=False, type=click.Path())
 @click.option("--data", default=None, help="Dataset spec, as etgraph train's [digits].")
@@ -104,6 +127,8 @@ def federate_command(model, **opts):
     """Federated learning on Flower's simulation engine: --clients devices of --speeds train
     MODEL (an ONNX file, a compiled directory, or the embedded default model and digits) for
     --rounds rounds, each within --round-deadline in its own clock (needs the fl extra)."""
+    if opts["resume_dir"] is None:
+        _check_strategy_options(opts)
     try:
         from .run import federate
     except ImportError as exc:
