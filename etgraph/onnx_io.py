@@ -157,9 +157,15 @@ def _read_external(tensor: onnx.TensorProto, folder: Path, path: Path) -> None:
             f.seek(offset)
             tensor.raw_data = f.read(length)
     except (OSError, ValueError) as exc:
+        hint = "keep it beside the model"
+        if path.is_symlink() and (path.resolve().parent / location).exists():
+            hint = (  # onnx and ORT read it beside the path given, not beside the link's target
+                f"{path} is a link and its data is beside the real file {path.resolve()}: "
+                "pass that file, or link the data beside the link too"
+            )
         raise ModelError(
             f"{path}: cannot read the external data of tensor {tensor.name!r} from {real} "
-            f"({getattr(exc, 'strerror', None) or exc}): keep it beside the model"
+            f"({getattr(exc, 'strerror', None) or exc}): {hint}"
         ) from exc
     del tensor.external_data[:]
     tensor.ClearField("data_location")  # as if saved without external data (same hash)

@@ -100,6 +100,15 @@ def test_external_data_linked_inside_the_folder_loads(tmp_path):
     assert not loaded.graph.initializer[0].external_data
 
 
+def test_a_linked_model_whose_data_is_beside_its_target_says_so(cli, tmp_path):
+    real = save_external(small_model(), tmp_path / "store")
+    (tmp_path / "models").mkdir()
+    link = tmp_path / "models" / "m.onnx"
+    link.symlink_to(real)  # its data is read beside the link, as onnx and ORT read it
+    done = cli("compile", link, "-o", tmp_path / "out")
+    assert_user_error(done, f"{link} is a link", f"beside the real file {real}", "pass that file")
+
+
 def test_truncated_external_data_is_refused(tmp_path):
     path = save_external(small_model(), tmp_path / "model")
     weights = tmp_path / "model" / "weights.bin"
