@@ -64,7 +64,7 @@ from .selection import MemoryCosts, check_memory_floor, strategy_mask
 from .sessions import TrainingSession
 from .steps import cosine_learning_rate, epoch_record, step_seed, train_steps
 from .timing import StepTimeFit, min_feasible_rho
-from .weights import WeightsAccess
+from .weights import WeightsAccess, open_only
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class ElasticTrainer(WeightsAccess):
         if val_data is not None:
             self.data_in_memory.append("val_data")
         self.config = config
+        self.closed = False
         self.started_at = time.perf_counter() if started_at is None else started_at
         self.progress = progress
         self.callbacks = list(callbacks)
@@ -245,6 +246,7 @@ class ElasticTrainer(WeightsAccess):
             self._lock.close()
             raise
 
+    @open_only
     def restore(self, state: CarriedState | Path | None, epoch: int, records: list[dict]) -> None:
         """Continue from ``state`` (a checkpoint's state, or its file under a memory budget;
         None: the model's initial weights) after ``epoch`` epochs, whose log ``records`` were
@@ -289,6 +291,7 @@ class ElasticTrainer(WeightsAccess):
 
     # -- the whole run --------------------------------------------------------------------------
 
+    @open_only
     def fit(self) -> rundir.TrainResult:
         """Train to ``config.epochs``, re-selecting every ``config.period`` epochs, then export
         and summarise (with a run directory: ``model_trained.onnx``, plots, ``summary.json``).
@@ -320,6 +323,7 @@ class ElasticTrainer(WeightsAccess):
 
     # -- one period -----------------------------------------------------------------------------
 
+    @open_only
     def begin_period(
         self,
         rho: float | None = None,
@@ -410,6 +414,7 @@ class ElasticTrainer(WeightsAccess):
                 self._session = None  # opened again with the new options
         return self._carried
 
+    @open_only
     def end_period(self) -> None:
         """Save the checkpoint at the end of the period in progress (weights, AdamW moments,
         step and run state; with a run directory its ``checkpoint``).
@@ -454,6 +459,7 @@ class ElasticTrainer(WeightsAccess):
 
     # -- one epoch ------------------------------------------------------------------------------
 
+    @open_only
     def train_epoch(self) -> dict:
         """Train the next epoch (starting its period if none is in progress), validate, and
         end the period if this was its last epoch. Returns the epoch's log record.
@@ -549,6 +555,7 @@ class ElasticTrainer(WeightsAccess):
 
     # -- one step -------------------------------------------------------------------------------
 
+    @open_only
     def step(self, inputs, labels: np.ndarray) -> float:
         """One training step of the current period's selection on one batch, at the cosine
         schedule's learning rate of :attr:`global_step` (which it advances); starts a period if
@@ -595,6 +602,7 @@ class ElasticTrainer(WeightsAccess):
 
     # -- evaluation and export ------------------------------------------------------------------
 
+    @open_only
     def evaluate(self, data=None) -> tuple[float, float]:
         """``(mean loss, metric)`` of the current weights on ``data`` (default: the validation
         set): accuracy in [0, 1] for loss ce, the MSE for mse. ``data`` as the constructor's
@@ -612,6 +620,7 @@ class ElasticTrainer(WeightsAccess):
             self._mask = self._cheapest_mask()
         return self._ensure_session().evaluate(batches, cfg.batch_size)
 
+    @open_only
     def export(self, path: str | os.PathLike) -> Path:
         """Write the trained inference model with the current weights, atomically
         (:func:`etgraph.export.export_trained`: the user's interface — symbolic batch, the head
@@ -688,8 +697,10 @@ class ElasticTrainer(WeightsAccess):
 
     def close(self) -> None:
         """Release the ORT sessions and the run directory's lock, and remove the private
-        temporary directory (a run without a run directory). The trainer cannot train after
-        it."""
+        temporary directory (a run without a run directory). Training, weights, evaluation
+        and export then raise ConfigError (:func:`etgraph.weights.open_only`); closing again
+        does nothing."""
+        self.closed = True
         self._session = None
         self.controller.close()
         self._lock.close()

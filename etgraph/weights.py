@@ -12,21 +12,41 @@ federated server never sees the scaled values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from .checkpoint import CarriedState, read_checkpoint, write_checkpoint
+from .errors import ConfigError
 
-__all__ = ["WeightsAccess"]
+__all__ = ["WeightsAccess", "open_only"]
+
+
+def open_only(method):
+    """A trainer method that needs the trainer open: once it is closed (its sessions released,
+    its run directory's lock given up, its temporary directory removed) the call raises
+    :class:`etgraph.errors.ConfigError` saying so, not an error about a missing file (nor trains
+    on without the lock)."""
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if self.closed:
+            raise ConfigError(
+                f"the trainer is closed: call {method.__name__}() before close() (inside its "
+                "with-block), or resume its run directory"
+            )
+        return method(self, *args, **kwargs)
+
+    return checked
 
 
 class WeightsAccess:
     """:meth:`get_weights`, :meth:`set_weights`, :meth:`trained_weights` of
     :class:`etgraph.trainer.ElasticTrainer` (which holds ``_session``, ``_carried``,
-    ``work_dir``, ``bounded``, ``model``, ``controller``, ``_period``, ``_since_set`` and
-    ``_stats_at_set``)."""
+    ``work_dir``, ``bounded``, ``model``, ``controller``, ``_period``, ``_since_set``,
+    ``_stats_at_set`` and ``closed``)."""
 
     def _state_file(self) -> Path:
         """A checkpoint file of the current state (weights, moments, step): the open session's
@@ -47,6 +67,7 @@ class WeightsAccess:
             return self._carried
         return read_checkpoint(self._state_file())[0]
 
+    @open_only
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current value of every parameter: each trainable tensor (kernel, bias,
         gamma, beta, ...) and each BatchNorm running statistic, by ONNX initializer name; numpy
@@ -57,6 +78,7 @@ class WeightsAccess:
         head_lr = self.model.head_lr
         return weights if head_lr is None else head_lr.original(weights)
 
+    @open_only
     def set_weights(self, weights: Mapping[str, np.ndarray], *, reset_moments: bool = False):
         """Overwrite parameters by initializer name (any subset of :meth:`get_weights`' names),
         e.g. a federated server's global model. The optimizer's AdamW moments of the tensors set
@@ -87,6 +109,7 @@ class WeightsAccess:
         stats = list(self.model.running_stats)
         self._stats_at_set = {n: np.array(state.weights[n], copy=True) for n in stats}
 
+    @open_only
     def trained_weights(self) -> dict[str, np.ndarray]:
         """The parameters training may have changed since the last :meth:`set_weights` (or the
         start): every tensor selected in a period since, and every running statistic whose value

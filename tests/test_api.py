@@ -121,6 +121,10 @@ def test_fit_on_arrays_in_memory_writes_no_file(tmp_path, default_model, default
     assert work.is_dir()
     trainer.close()
     assert not work.exists()
+    for call in (trainer.get_weights, lambda: trainer.step(x[:4], y[:4]), trainer.fit):
+        with pytest.raises(etgraph.ConfigError, match=r"the trainer is closed: call \w+\(\)"):
+            call()  # was: a missing checkpoint file named
+    trainer.close()  # again: nothing
 
 
 def test_a_trainer_removes_what_killed_etgraph_processes_left(
