@@ -219,12 +219,14 @@ def input_shapes(
             name -> dims (per-sample, or with the batch dim first), or, for a single-input
             model, a bare dims sequence ``(C, H, W)``. Given dims win over the model's static
             ones (needed where they are symbolic); a rank-4 input's channel count must match a
-            static one.
+            static one. A named symbolic dim given for one input sets it for every input that
+            shares it (:func:`_bind_symbols`).
 
     Raises:
         ConfigError: malformed override, a name that is no input of the model, a bare shape for
-            a model with several inputs, wrong rank or channel count, or an input with symbolic
-            dims and no shape given (the message names the input and ``--input-shape``).
+            a model with several inputs, wrong rank or channel count, two lengths for one named
+            dim, or an input with symbolic dims no shape sets (the message names the input and
+            ``--input-shape``).
     """
     specs = list(model) if not isinstance(model, onnx.ModelProto) else input_specs(model)
     if override is None or isinstance(override, str) or _is_text_list(override):
@@ -259,21 +261,52 @@ def input_shapes(
         if spec.name in given:
             named = texts[spec.name].partition("=")[1] == "="
             out[spec.name] = _per_sample(spec, given[spec.name], texts[spec.name], named)
+    bound = _bind_symbols(specs, out)
+    for spec in specs:
+        if spec.name in out:
             continue
-        if any(not isinstance(d, int) for d in spec.dims[1:]):
-            shown = list(spec.dims)
-            if len(specs) == 1:
-                raise ConfigError(
-                    f"input {spec.name!r} has symbolic dims {shown}: pass the input shape, e.g. "
-                    f"--input-shape {_example(spec).split('e.g. ')[-1]}"
-                )
+        dims = [bound.get(d, d) if isinstance(d, str) else d for d in spec.dims[1:]]
+        if all(isinstance(d, int) for d in dims):  # static, or named dims the others bound
+            out[spec.name] = tuple(dims)
+            continue
+        shown = list(spec.dims)
+        if len(specs) == 1:
             raise ConfigError(
-                f"input {spec.name!r} has symbolic dims {shown}: pass its shape with "
-                f"--input-shape {spec.name}=DIMS (the dims after the batch, e.g. "
-                f"{spec.name}={_example(spec).split('e.g. ')[-1]})"
+                f"input {spec.name!r} has symbolic dims {shown}: pass the input shape, e.g. "
+                f"--input-shape {_example(spec).split('e.g. ')[-1]}"
             )
-        out[spec.name] = tuple(int(d) for d in spec.dims[1:])
-    return out
+        raise ConfigError(
+            f"input {spec.name!r} has symbolic dims {shown}: pass its shape with "
+            f"--input-shape {spec.name}=DIMS (the dims after the batch, e.g. "
+            f"{spec.name}={_example(spec).split('e.g. ')[-1]})"
+        )
+    return {spec.name: out[spec.name] for spec in specs}
+
+
+def _bind_symbols(
+    specs: Sequence[InputSpec], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, int]:
+    """The length each named symbolic dim (after the batch) takes in the given per-sample
+    ``shapes``: inputs that share a dim name (a transformer's ``input_ids``,
+    ``attention_mask`` and ``token_type_ids`` share ``sequence``) take one length, so one
+    ``--input-shape`` sets it for all of them.
+
+    Raises:
+        ConfigError: two given shapes set one named dim to different lengths.
+    """
+    bound: dict[str, tuple[int, str]] = {}
+    for spec in (spec for spec in specs if spec.name in shapes):
+        for symbol, value in zip(spec.dims[1:], shapes[spec.name], strict=True):
+            if not isinstance(symbol, str) or symbol == "?":
+                continue
+            if symbol in bound and bound[symbol][0] != value:
+                length, other = bound[symbol]
+                raise ConfigError(
+                    f"--input-shape gives dim {symbol!r} length {length} for {other} and "
+                    f"{value} for {spec.name}: inputs that share it take one length"
+                )
+            bound.setdefault(symbol, (value, spec.name))
+    return {symbol: length for symbol, (length, _) in bound.items()}
 
 
 def _is_text_list(value) -> bool:

@@ -203,9 +203,16 @@ def symbolic_text_specs() -> list[InputSpec]:
 def test_per_input_shapes():
     specs = symbolic_text_specs()
     assert input_shapes(specs, ["input_ids=1x16", "mask=16"]) == {"input_ids": (16,), "mask": (16,)}
-    with pytest.raises(ConfigError, match=r"^input 'mask' has symbolic dims \['batch', 'seq'\]: "
+    # one shape sets a named dim for every input that shares it (a transformer's sequence;
+    # was: the others' shapes required, and unequal lengths failed in ORT's shape inference)
+    assert input_shapes(specs, ["input_ids=16"]) == {"input_ids": (16,), "mask": (16,)}
+    with pytest.raises(ConfigError, match=r"^--input-shape gives dim 'seq' length 16 for "
+                       r"input_ids and 8 for mask: inputs that share it take one"):  # fmt: skip
+        input_shapes(specs, ["input_ids=16", "mask=8"])
+    unnamed = [specs[0], InputSpec("mask", "int64", ("batch", "?"))]
+    with pytest.raises(ConfigError, match=r"^input 'mask' has symbolic dims \['batch', '\?'\]: "
                        r"pass its shape with --input-shape mask=DIMS"):  # fmt: skip
-        input_shapes(specs, ["input_ids=16"])
+        input_shapes(unnamed, ["input_ids=16"])
     with pytest.raises(ConfigError, match="names no input, and the model has 2 inputs"):
         input_shapes(specs, "16")
     with pytest.raises(ConfigError, match=r"names 'ids', which is not an input of the model"):
