@@ -21,7 +21,7 @@ import pytest
 from etgraph.errors import ConfigError
 from etgraph.federated import fedel
 from etgraph.federated.aggregate import aggregate, batch_norm_pairs
-from etgraph.federated.clock import VirtualClock, plan_round
+from etgraph.federated.clock import VirtualClock, next_step_s, plan_round
 from etgraph.federated.config import FederateConfig, parse_faults
 from etgraph.federated.partition import partition
 
@@ -141,6 +141,15 @@ def test_the_round_plan_spends_the_time_left_and_cuts_steps_below_the_cheapest_r
     plan = plan_round(left_s=3, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2)
     assert plan.rho == 0.2 and plan.steps == 50 and plan.partial
     assert plan_round(left_s=1, steps=100, full_step_s=0.1, fixed_s=2, floor_rho=0.2).steps == 0
+
+
+def test_a_client_reserves_its_slowest_steady_step_before_the_next_one():
+    assert next_step_s([], 0.10, 0.05) == pytest.approx(0.15)  # a new session's first step
+    assert next_step_s([0.30], 0.10, 0.05) == pytest.approx(0.25)
+    assert next_step_s([0.30], 0.40, 0.05) == pytest.approx(0.40)
+    # the slowest steady step, not their mean (0.14): one as slow as it, with less room than
+    # it needs, ended the round late
+    assert next_step_s([0.30, 0.10, 0.20, 0.12], 0.10, 0.05) == pytest.approx(0.20)
 
 
 def test_a_client_plans_with_the_worst_of_its_recent_fixed_costs():

@@ -38,7 +38,7 @@ from ..files import private_temp_dir
 from ..timing import min_feasible_rho
 from ..trainer import ElasticTrainer
 from . import fedel
-from .clock import RoundCosts, RoundPlan, VirtualClock, plan_round
+from .clock import RoundCosts, RoundPlan, VirtualClock, next_step_s, plan_round
 from .config import FederateConfig
 from .task import Task, load_task
 
@@ -234,12 +234,7 @@ class FederatedClient:
                 if len(losses) >= steps:
                     break
                 if target is not None and cfg.elastic:
-                    if not step_s:
-                        expected = step_guess + first_s
-                    elif len(step_s) == 1:
-                        expected = max(step_guess, step_s[0] - first_s)
-                    else:
-                        expected = float(np.mean(step_s[1:]))
+                    expected = next_step_s(step_s, step_guess, first_s)
                     if clock.elapsed_s() + expected + self.costs.end_s > target:
                         break
                 t0 = clock.elapsed_s()
