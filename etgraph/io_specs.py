@@ -289,23 +289,30 @@ def _bind_symbols(
     """The length each named symbolic dim (after the batch) takes in the given per-sample
     ``shapes``: inputs that share a dim name (a transformer's ``input_ids``,
     ``attention_mask`` and ``token_type_ids`` share ``sequence``) take one length, so one
-    ``--input-shape`` sets it for all of them.
+    ``--input-shape`` sets it for all of them. A name one input gives several lengths (an
+    exporter that names every dim ``n``) binds nothing.
 
     Raises:
         ConfigError: two given shapes set one named dim to different lengths.
     """
-    bound: dict[str, tuple[int, str]] = {}
+    per_input: list[tuple[str, dict[str, set[int]]]] = []
     for spec in (spec for spec in specs if spec.name in shapes):
+        lengths: dict[str, set[int]] = {}
         for symbol, value in zip(spec.dims[1:], shapes[spec.name], strict=True):
-            if not isinstance(symbol, str) or symbol == "?":
-                continue
+            if isinstance(symbol, str) and symbol != "?":
+                lengths.setdefault(symbol, set()).add(value)
+        per_input.append((spec.name, lengths))
+    loose = {s for _, lengths in per_input for s, values in lengths.items() if len(values) > 1}
+    bound: dict[str, tuple[int, str]] = {}
+    for name, lengths in per_input:
+        for symbol, (value,) in ((s, v) for s, v in lengths.items() if s not in loose):
             if symbol in bound and bound[symbol][0] != value:
                 length, other = bound[symbol]
                 raise ConfigError(
                     f"--input-shape gives dim {symbol!r} length {length} for {other} and "
-                    f"{value} for {spec.name}: inputs that share it take one length"
+                    f"{value} for {name}: inputs that share it take one length"
                 )
-            bound.setdefault(symbol, (value, spec.name))
+            bound.setdefault(symbol, (value, name))
     return {symbol: length for symbol, (length, _) in bound.items()}
 
 
