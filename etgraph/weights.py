@@ -49,8 +49,12 @@ class WeightsAccess:
     ``_stats_at_set`` and ``closed``)."""
 
     def _state_file(self) -> Path:
-        """A checkpoint file of the current state (weights, moments, step): the open session's
+        """A checkpoint file of the current state (weights, moments, step): between periods the
+        last period end's checkpoint (the open session has not stepped since: a federated
+        client's upload no longer writes the state a second time), else the open session's
         saved to the work directory, else the carried state's file (written there if held)."""
+        if self._period is None and isinstance(self._carried, Path):
+            return self._carried  # between periods: the period end's checkpoint is the state
         path = self.work_dir / "state.ckpt"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if self._session is not None and self._session.module is not None:

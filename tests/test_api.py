@@ -164,8 +164,11 @@ def test_period_epoch_and_step_levels_and_weights_in_and_out(
         record = trainer.train_epoch()  # the period's last epoch: it ends the period
         assert record["epoch"] == 1 and record["steps"] == 6
         trained = trainer.trained_weights()
+        state_copy = trainer.work_dir / "state.ckpt"
+        assert not state_copy.exists()  # between periods: read from the period end's checkpoint
         selected = set(info.selected)
         assert selected <= set(trained)
+        assert any(not np.array_equal(trained[n], initial[n]) for n in selected)
         assert set(trained) - selected <= set(default_model.running_stats)
         for name in set(default_model.names) - selected:  # unselected tensors did not move
             np.testing.assert_array_equal(trainer.get_weights()[name], initial[name])
@@ -178,6 +181,8 @@ def test_period_epoch_and_step_levels_and_weights_in_and_out(
         assert all(np.isfinite(losses)) and trainer.global_step == 9
         moved = trainer.trained_weights()
         assert set(trainer._period.selected) <= set(moved)
+        assert state_copy.exists()  # mid-period: the session's state, saved
+        assert any(not np.array_equal(moved[n], initial[n]) for n in trainer._period.selected)
         loss, acc = trainer.evaluate()
         assert np.isfinite(loss) and 0 <= acc <= 1
         exported = trainer.export(tmp_path / "model.onnx")
