@@ -78,7 +78,11 @@ class WeightsAccess:
         arrays of the initializer's shape and dtype (float32). In the original
         parametrisation: with a head learning-rate scale S, the head's tensors are the stored
         ones times S (the values the exported model holds)."""
-        weights = {k: np.array(v, copy=True) for k, v in self._state().weights.items()}
+        if self._session is None and isinstance(self._carried, CarriedState):
+            held = self._carried.weights
+        else:  # views into the mapped file, copied once below; the moments are not read
+            held = read_checkpoint(self._state_file(), copy=False, moments=False)[0].weights
+        weights = {k: np.array(v, copy=True) for k, v in held.items()}
         head_lr = self.model.head_lr
         return weights if head_lr is None else head_lr.original(weights)
 
