@@ -410,7 +410,7 @@ def test_transient_files_go_to_ram_where_there_is_room_and_never_stay(tmp_path, 
 
 def test_the_temporary_directories_of_a_killed_process_are_swept_whatever_their_kind(tmp_path):
     # every kind etgraph makes; "fl-artifacts" (a Flower client's cache, ~20 MB per Ray worker,
-    # whose workers are killed at the simulation's end) once escaped the sweep by its hyphen
+    # left by every killed federated run) once escaped the sweep by its hyphen
     sources = "".join(p.read_text() for p in Path(files.__file__).parent.rglob("*.py"))
     kinds = set(re.findall(r'private_temp_dir\(\s*"([^"]+)"', sources))
     assert {"fl-artifacts", "baked", "train"} <= kinds
