@@ -65,11 +65,12 @@ class WeightsAccess:
             write_checkpoint(path, self._carried, sorted(self._carried.moments))
         return path
 
-    def _state(self) -> CarriedState:
-        """The current state (weights, moments, step)."""
+    def _state(self, *, copy: bool = True, moments: bool = True) -> CarriedState:
+        """The current state (weights, moments, step); read from a file, as
+        :func:`etgraph.checkpoint.read_checkpoint` reads it with ``copy`` and ``moments``."""
         if self._session is None and isinstance(self._carried, CarriedState):
             return self._carried
-        return read_checkpoint(self._state_file())[0]
+        return read_checkpoint(self._state_file(), copy=copy, moments=moments)[0]
 
     @open_only
     def get_weights(self) -> dict[str, np.ndarray]:
@@ -78,11 +79,8 @@ class WeightsAccess:
         arrays of the initializer's shape and dtype (float32). In the original
         parametrisation: with a head learning-rate scale S, the head's tensors are the stored
         ones times S (the values the exported model holds)."""
-        if self._session is None and isinstance(self._carried, CarriedState):
-            held = self._carried.weights
-        else:  # views into the mapped file, copied once below; the moments are not read
-            held = read_checkpoint(self._state_file(), copy=False, moments=False)[0].weights
-        weights = {k: np.array(v, copy=True) for k, v in held.items()}
+        held = self._state(copy=False, moments=False)  # from a file: views, copied once here
+        weights = {k: np.array(v, copy=True) for k, v in held.weights.items()}
         head_lr = self.model.head_lr
         return weights if head_lr is None else head_lr.original(weights)
 
