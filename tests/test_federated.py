@@ -208,6 +208,8 @@ def test_settings_are_checked_and_read_from_a_flower_run_config():
     with pytest.raises(ConfigError, match="needs --round-deadline"):
         FederateConfig(strategy="elastic").validate()
     FederateConfig(strategy="fedavg-full").validate()  # waits for the slowest: no deadline
+    with pytest.raises(ConfigError, match="--window shapes what elastic clients select"):
+        FederateConfig(strategy="fedavg-drop", round_deadline_s=1, window=0.3).validate()
     with pytest.raises(ConfigError, match="unknown strategy"):
         FederateConfig(strategy="fedprox", round_deadline_s=1).validate()
     cfg = FederateConfig.from_run_config(

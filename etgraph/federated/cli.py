@@ -46,27 +46,46 @@ def _round_line(record: dict) -> str:
     )
 
 
-def _check_strategy_options(opts: dict) -> None:
-    """Refuse options the chosen ``--strategy`` would ignore (a run that silently does not
-    do what its command line says).
+def _new_run_config(model, opts: dict) -> FederateConfig:
+    """The configuration of a new run from the command line, checked before Flower is
+    imported (:meth:`FederateConfig.validate`).
 
     Raises:
-        ConfigError: ``--round-deadline`` with ``fedavg-full`` (it waits for every client),
-            ``--window`` or ``--global-importance`` with a FedAvg strategy.
+        ConfigError: no ``--out``, malformed ``--speeds``, ``--round-deadline`` with
+            ``fedavg-full`` (it waits for every client: the option would be ignored), or a
+            setting :meth:`FederateConfig.validate` refuses.
     """
-    strategy = opts["strategy"]
-    if strategy == "fedavg-full" and opts["round_deadline"] is not None:
+    if opts["out"] is None:
+        raise ConfigError("missing --out RUN: where to write the log, checkpoints and model")
+    try:
+        speeds = tuple(float(s) for s in opts["speeds"].split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--speeds {opts['speeds']!r}: use factors like 1,2,4,8") from None
+    deadline = opts["round_deadline"]
+    if opts["strategy"] == "fedavg-full" and deadline is not None:
         raise ConfigError(
             "--strategy fedavg-full waits for every client: drop --round-deadline, or use "
             "--strategy fedavg-drop to drop the clients that miss it"
         )
-    for name in ("window", "global_importance"):
-        if not strategy.startswith("elastic") and opts[name] is not None:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(
-                f"{flag} shapes what elastic clients select: use it with --strategy elastic "
-                f"or elastic-fedel, not {strategy}"
-            )
+    return FederateConfig(
+        model=model,
+        data=opts["data"],
+        tokenizer=opts["tokenizer"],
+        clients=opts["clients"],
+        rounds=opts["rounds"],
+        round_deadline_s=parse_seconds(deadline) if deadline is not None else None,
+        speeds=speeds,
+        partition=opts["partition"],
+        strategy=opts["strategy"],
+        local_epochs=opts["local_epochs"],
+        batch_size=opts["batch_size"],
+        learning_rate=opts["lr"],
+        seed=opts["seed"],
+        clock=opts["clock"],
+        window=opts["window"],
+        global_importance=opts["global_importance"],
+        faults=tuple(opts["faults"]),
+    ).validate()
 
 
 @click.command("federate")
@@ -127,8 +146,7 @@ def federate_command(model, **opts):
     """Federated learning on Flower's simulation engine: --clients devices of --speeds train
     MODEL (an ONNX file, a compiled directory, or the embedded default model and digits) for
     --rounds rounds, each within --round-deadline in its own clock (needs the fl extra)."""
-    if opts["resume_dir"] is None:
-        _check_strategy_options(opts)
+    config = _new_run_config(model, opts) if opts["resume_dir"] is None else None
     try:
         from .run import federate
     except ImportError as exc:
@@ -144,32 +162,6 @@ def federate_command(model, **opts):
         summary = federate(None, out, resume=True, on_round=progress, verbose=opts["verbose"])
         click.echo(format_summary(summary, out))
         return
-    if opts["out"] is None:
-        raise ConfigError("missing --out RUN: where to write the log, checkpoints and model")
-    try:
-        speeds = tuple(float(s) for s in opts["speeds"].split(",") if s.strip())
-    except ValueError:
-        raise ConfigError(f"--speeds {opts['speeds']!r}: use factors like 1,2,4,8") from None
-    deadline = opts["round_deadline"]
-    config = FederateConfig(
-        model=model,
-        data=opts["data"],
-        tokenizer=opts["tokenizer"],
-        clients=opts["clients"],
-        rounds=opts["rounds"],
-        round_deadline_s=parse_seconds(deadline) if deadline is not None else None,
-        speeds=speeds,
-        partition=opts["partition"],
-        strategy=opts["strategy"],
-        local_epochs=opts["local_epochs"],
-        batch_size=opts["batch_size"],
-        learning_rate=opts["lr"],
-        seed=opts["seed"],
-        clock=opts["clock"],
-        window=opts["window"],
-        global_importance=opts["global_importance"],
-        faults=tuple(opts["faults"]),
-    )
     summary = federate(config, opts["out"], on_round=progress, verbose=opts["verbose"])
     click.echo(format_summary(summary, opts["out"]))
     sys.stdout.flush()

@@ -126,6 +126,12 @@ class FederateConfig:
             raise ConfigError(f"unknown clock {self.clock!r}: choose {', '.join(CLOCK_SOURCES)}")
         if not self.learning_rate > 0 or not self.weight_decay >= 0:
             raise ConfigError("the learning rate must be positive and the weight decay >= 0")
+        for name in ("window", "global_importance"):  # else ignored, silently
+            if not self.elastic and getattr(self, name) is not None:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} shapes what elastic clients select: use it "
+                    f"with --strategy elastic or elastic-fedel, not {self.strategy}"
+                )
         if not 0 <= self.window_fraction <= 1 or not 0 <= self.beta <= 1:
             raise ConfigError("--window must be in [0, 1] and --global-importance in [0, 1]")
         if not self.round_timeout_s > 0:
