@@ -225,7 +225,8 @@ def input_shapes(
     Raises:
         ConfigError: malformed override, a name that is no input of the model, a bare shape for
             a model with several inputs, wrong rank or channel count, two lengths for one named
-            dim, or an input with symbolic dims no shape sets (the message names the input and
+            dim, a changed static dim another input shares (:func:`_check_static_changes`), or
+            an input with symbolic dims no shape sets (the message names the input and
             ``--input-shape``).
     """
     specs = list(model) if not isinstance(model, onnx.ModelProto) else input_specs(model)
@@ -262,6 +263,7 @@ def input_shapes(
             named = texts[spec.name].partition("=")[1] == "="
             out[spec.name] = _per_sample(spec, given[spec.name], texts[spec.name], named)
     bound = _bind_symbols(specs, out)
+    _check_static_changes(specs, out)
     for spec in specs:
         if spec.name in out:
             continue
@@ -314,6 +316,36 @@ def _bind_symbols(
                 )
             bound.setdefault(symbol, (value, name))
     return {symbol: length for symbol, (length, _) in bound.items()}
+
+
+def _check_static_changes(specs: Sequence[InputSpec], shapes: Mapping[str, tuple]) -> None:
+    """Refuse a given shape that changes a static dim which an input not given shares: a
+    static export (``input_ids`` and ``attention_mask`` both ``[1, 128]``) carries no name
+    that ties the two, so one ``--input-shape input_ids=8`` left the mask at 128 and ended in
+    ORT's shape inference ("Incompatible dimensions", blamed on the batch size). Dims count
+    the batch as dim 0.
+
+    Raises:
+        ConfigError: naming both inputs, the dim and the ``--input-shape`` that fixes it.
+    """
+    changed: dict[tuple[int, int], tuple[str, int]] = {}
+    for spec in (spec for spec in specs if spec.name in shapes):
+        for axis, (model_dim, dim) in enumerate(zip(spec.dims[1:], shapes[spec.name], strict=True)):
+            if isinstance(model_dim, int) and model_dim != dim:
+                changed.setdefault((axis, model_dim), (spec.name, dim))
+    for spec in (spec for spec in specs if spec.name not in shapes):
+        for axis, model_dim in enumerate(spec.dims[1:]):
+            if (axis, model_dim) not in changed:
+                continue
+            name, dim = changed[(axis, model_dim)]
+            fixed = [dim if (j, d) == (axis, model_dim) else d for j, d in enumerate(spec.dims[1:])]
+            example = "x".join(str(d) for d in fixed)
+            raise ConfigError(
+                f"--input-shape changes dim {axis + 1} of {name!r} from the model's static "
+                f"{model_dim} to {dim}, and input {spec.name!r} is static {model_dim} there too: "
+                f"give its shape as well (--input-shape {spec.name}={example}; its own "
+                f"{model_dim} if the two are unrelated)"
+            )
 
 
 def _is_text_list(value) -> bool:

@@ -221,6 +221,22 @@ def test_per_input_shapes():
         input_shapes(specs, ["input_ids=16", "mask=2x3x4"])
 
 
+def test_changed_static_dim_another_input_shares_is_refused():
+    # a static export: input_ids and the mask both [1, 16], with nothing that ties the two; one
+    # --input-shape input_ids=8 left the mask at 16, and ORT's shape inference then failed with
+    # "Incompatible dimensions", blamed on the batch size
+    static = [InputSpec("input_ids", "int64", (1, 16), 30), InputSpec("mask", "int64", (1, 16))]
+    with pytest.raises(ConfigError, match=r"^--input-shape changes dim 1 of 'input_ids' from the "
+                       r"model's static 16 to 8, and input 'mask' is static 16 there too: give its "
+                       r"shape as well \(--input-shape mask=8;"):  # fmt: skip
+        input_shapes(static, ["input_ids=8"])
+    assert input_shapes(static, ["input_ids=8", "mask=8"]) == {"input_ids": (8,), "mask": (8,)}
+    assert input_shapes(static, ["input_ids=8", "mask=16"]) == {"input_ids": (8,), "mask": (16,)}
+    assert input_shapes(static, ["input_ids=16"]) == {"input_ids": (16,), "mask": (16,)}
+    other = [static[0], InputSpec("mask", "int64", (1, 12))]  # not the changed length: no tie
+    assert input_shapes(other, ["input_ids=8"]) == {"input_ids": (8,), "mask": (12,)}
+
+
 def test_symbolic_token_input_without_shape_is_one_line(tmp_path, cache_env):
     nodes = [
         helper.make_node("Gather", ["table", "ids"], ["e"], name="lookup"),
