@@ -127,17 +127,23 @@ def _exit_if_out_of_resources(exc: Exception, args: list[str]) -> None:
 
 
 def _resume_hint(args: list[str]) -> str:
-    """For an interrupted ``etgraph train``: how to continue it (its ``--out`` or ``--resume``
-    directory, from the command line, if a run was started there), else ""."""
-    if "train" not in args:
+    """For an interrupted ``etgraph train`` or ``etgraph federate``: how to continue it (its
+    ``--out``/``-o`` or ``--resume`` directory, from the command line, if a run was started
+    there), else ""."""
+    command = next((c for c in ("train", "federate") if c in args), None)
+    if command is None:
         return ""
-    for flag in ("--out", "--resume"):
+    for flag in ("--out", "-o", "--resume"):
         for i, arg in enumerate(args):
             value = args[i + 1] if arg == flag and i + 1 < len(args) else None
-            if arg.startswith(f"{flag}="):
-                value = arg.split("=", 1)[1]
-            if value and (Path(value) / "run.json").is_file():  # etgraph.rundir.RUN_FILE
-                return f": continue from the last checkpoint with `etgraph train --resume {value}`"
+            if arg.startswith(f"{flag}=") or (
+                flag == "-o" and arg.startswith("-o") and arg != flag
+            ):
+                value = arg.removeprefix(flag).removeprefix("=")
+            if value and (Path(value) / "run.json").is_file():  # both commands' RUN_FILE
+                return (
+                    f": continue from the last checkpoint with `etgraph {command} --resume {value}`"
+                )
     return ""
 
 

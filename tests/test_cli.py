@@ -49,6 +49,12 @@ def test_interrupted_train_says_how_to_continue(monkeypatch, capsys, tmp_path):
     run = tmp_path / "run"
     assert cli_module._resume_hint(["train", f"--resume={run}"]).endswith(f"--resume {run}`")
     assert cli_module._resume_hint(["train", "--out", str(tmp_path / "not-started")]) == ""
+    # -o, the short option (was: no hint), and etgraph federate's runs (was: train's only)
+    assert cli_module._resume_hint(["train", "-o", str(run)]).endswith(f"train --resume {run}`")
+    assert cli_module._resume_hint(["train", f"-o{run}"]).endswith(f"train --resume {run}`")
+    assert cli_module._resume_hint(["federate", "-o", str(run)]).endswith(
+        f"`etgraph federate --resume {run}`"
+    )
 
 
 def test_internal_error_names_the_innermost_cause(monkeypatch, capsys, tmp_path):

@@ -102,6 +102,26 @@ def test_iid_and_dirichlet_partitions_are_disjoint_complete_and_reproducible():
     assert classes_per_client(iid) == 5 and classes_per_client(skew) < 4  # label skew
 
 
+def test_a_failed_clients_reason_is_its_own_error_not_rays_wrapping():
+    from etgraph.federated.rundir import failure_reason
+
+    # what a Flower simulation's error reply carries for a ClientApp that raised (abridged;
+    # the log kept its first line, Ray's actor repr, until session 19)
+    flower = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor"
+        '.run()\x1b[39m (pid=28083, ip=192.0.2.2, actor_id=bd5e)\n  File "client.py", line'
+        " 200, in train_round\n    raise RuntimeError(msg)\nRuntimeError: client 1: injected "
+        "crash, round 1\n\nException ClientAppException occurred. Message: client 1: "
+        "injected crash, round 1'>"
+    )
+    assert failure_reason(flower) == "client 1: injected crash, round 1"
+    trace = 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad shape (3,)\n'
+    assert failure_reason(trace) == "ValueError: bad shape (3,)"
+    assert failure_reason("node went away\nmore") == "node went away"
+    assert failure_reason("") == "unknown"
+    assert len(failure_reason("x" * 1000)) == 300
+
+
 def test_bad_partitions_are_one_line_errors():
     labels = np.arange(10) % 2
     with pytest.raises(ConfigError, match="dirichlet:ALPHA"):
@@ -340,16 +360,25 @@ def test_the_server_knows_each_node_by_its_client_before_the_first_reply(monkeyp
         def get_node_ids(self):
             return [30, 20, 10, 40]
 
-        def send_and_receive(self, messages, timeout=None):
-            replies = []
+        def push_messages(self, messages):  # as Flower's in-memory grid: an id each
+            self.replies, ids = [], []
             for m in messages:
                 assert m.metadata.message_type == MessageType.QUERY
                 node = m.metadata.dst_node_id
                 asked.append(node)
+                m.metadata.__dict__["_message_id"] = f"m{node}"
+                ids.append(f"m{node}")
                 if node in clients:
                     pid = {"partition-id": clients[node]}
-                    replies.append(Message(RecordDict({"metrics": MetricRecord(pid)}), reply_to=m))
-            return replies
+                    self.replies.append(
+                        Message(RecordDict({"metrics": MetricRecord(pid)}), reply_to=m)
+                    )
+            return ids
+
+        def pull_messages(self, ids):
+            out = [r for r in self.replies if r.metadata.reply_to_message_id in ids]
+            self.replies = [r for r in self.replies if r not in out]
+            return out
 
     names = [f"w{i}" for i in range(8)]
     config = FederateConfig(clients=4, round_deadline_s=2.0, strategy="elastic-fedel")
@@ -697,6 +726,9 @@ def test_a_killed_run_with_faulty_clients_resumes_and_trains_within_deadlines(
     records = [json.loads(line) for line in lines]
     assert [r["round"] for r in records] == [1, 2, 3]
     status = {(r["round"], c["client"]): c["status"] for r in records for c in r["clients"]}
+    assert "Traceback" not in done.stderr  # Flower's logs of the crash: --verbose only
+    crashed = next(c for c in records[1]["clients"] if c["client"] == 1)
+    assert crashed["reason"] == "client 1: injected crash, round 2"  # not Ray's actor repr
     assert status.pop((1, 2)) == "late" and status.pop((2, 1)) == "failed"
     assert set(status.values()) == {"ok"} and len(status) == 7
     n = len(default_model.names)
@@ -719,6 +751,57 @@ def test_a_killed_run_with_faulty_clients_resumes_and_trains_within_deadlines(
     assert summary["status_counts"] == {"ok": 7, "late": 1, "failed": 1}
     again = run_cli_in_process("federate", "-o", out, "--strategy", "fedavg-full", env=cache_env)
     assert_user_error(again, "--resume")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_run_ends_in_one_line_and_resumes(tmp_path, cache_env, how):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM (to the process) during
+    round 2 of ``etgraph federate``: the process ends within seconds with exit status 130 or
+    143 and one line saying how to resume, no traceback, no Ray process left. Before, Ctrl-C
+    printed ``etgraph: interrupted`` and the process never ended (Flower's server thread waits
+    ``round_timeout_s`` for replies, another thread waited in ``ray.get`` for a worker Ctrl-C
+    had stopped), and SIGTERM was taken by ray.init's handler: exit status 15, no cleanup, a
+    native stack dump. The resumed run finishes."""
+    pytest.importorskip("flwr")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "etgraph", "federate", "--clients", "2", "--rounds", "3"]
+    args += ["--round-deadline", "5s", "-o", str(out)]
+    proc = subprocess.Popen(
+        args, env=_env(cache_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,  # a terminal's process group of its own
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end and proc.poll() is None and not (out / "server.json").exists():
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        group = _descendants(proc.pid)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _stop(_descendants(proc.pid), grace_s=0.0)
+    assert proc.returncode == (130 if how == "ctrl-c" else 143), err[-2000:]
+    word = "interrupted" if how == "ctrl-c" else "terminated"
+    lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
+    assert lines[-1] == (
+        f"etgraph: {word}: continue from the last checkpoint with `etgraph federate --resume {out}`"
+    ), err[-2000:]
+    assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
+    end = time.monotonic() + 30  # Ray's processes go with it
+    while time.monotonic() < end and any(_alive(p) for p in group):
+        time.sleep(0.2)
+    assert not [p for p in group if _alive(p)]
+    done = subprocess.run(
+        [sys.executable, "-m", "etgraph", "federate", "--resume", str(out), "-q"],
+        env=_env(cache_env), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2, 3]
 
 
 @pytest.mark.slow

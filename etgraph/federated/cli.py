@@ -40,9 +40,15 @@ def _round_line(record: dict) -> str:
     for c in record["clients"]:
         counts[c["status"]] = counts.get(c["status"], 0) + 1
     status = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    failed = [  # Flower's own logs of it (tracebacks) show with --verbose only
+        f"\n  client {c['client']} failed: {c.get('reason', 'unknown')}"
+        for c in record["clients"]
+        if c["status"] == "failed"
+    ]
     return (
         f"round {record['round']:>3}: acc {record['val_acc']:.3f}  virtual "
         f"{record['virtual_time_s']:.1f} s (+{record['round_time_s']:.2f})  clients {status}"
+        + "".join(failed)
     )
 
 

@@ -13,11 +13,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .. import files
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError, Terminated
 from . import rundir
 from .config import FederateConfig
 
@@ -69,6 +72,36 @@ def open_run(out: Path, config: FederateConfig | None, *, resume: bool) -> Itera
         yield config
 
 
+#: Wall seconds an interrupted simulation's threads get to end (they took under 3 s).
+STOP_WAIT_S = 20.0
+
+
+def _stop_simulation(threads: set[threading.Thread]) -> None:
+    """End an interrupted (or failed) simulation's threads, so that the process can exit:
+    Flower's server thread waits for replies (:data:`etgraph.federated.server.STOP` ends that
+    wait) and a thread of its simulation engine waits in ``ray.get`` for a client that will
+    never reply (Ray's shutdown ends that). Before, an interrupted ``etgraph federate`` printed
+    its last line and never ended. What those threads log and raise as Ray stops under them
+    is not shown; the threads running before the simulation (``threads``) are left alone."""
+    import ray
+
+    from .server import STOP
+
+    STOP.set()
+    flwr_logger = logging.getLogger("flwr")
+    quiet, hook = flwr_logger.disabled, threading.excepthook
+    flwr_logger.disabled, threading.excepthook = True, lambda args: None
+    try:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        end = time.monotonic() + STOP_WAIT_S
+        for thread in set(threading.enumerate()) - threads:  # those that keep a process up
+            if not thread.daemon and thread is not threading.current_thread():
+                thread.join(max(0.0, end - time.monotonic()))
+    finally:
+        flwr_logger.disabled, threading.excepthook = quiet, hook
+
+
 def federate(
     config: FederateConfig | None,
     out: str | os.PathLike,
@@ -88,7 +121,7 @@ def federate(
     from flwr.simulation import run_simulation
 
     from .client import app as client_app
-    from .server import serve
+    from .server import STOP, serve
     from .task import load_task
 
     out = Path(out)
@@ -116,13 +149,26 @@ def federate(
             },
         }
         flwr_logger = logging.getLogger("flwr")
-        level = flwr_logger.level
-        if not verbose:
-            flwr_logger.setLevel(logging.ERROR)
+        disabled = flwr_logger.disabled
+        # Flower logs a failed client's two tracebacks: the round line and the log say which
+        # client failed and why (verbose: Flower's logs too)
+        flwr_logger.disabled = not verbose
+        STOP.clear()
+        # Ray's native failure handler would take SIGTERM from etgraph's (a stack dump, no
+        # cleanup, exit status 15): the CLI turns it into an exit like Ctrl-C's
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        threads = set(threading.enumerate())
         try:
             run_simulation(server_app, client_app, config.clients, backend_config=backend)
+        except BaseException as exc:  # Ctrl-C, SIGTERM, an error: Flower's threads end too
+            if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:
+                exc = Terminated(signal.SIGTERM)  # ray.init's SIGTERM handler: sys.exit(15)
+            _stop_simulation(threads)
+            if isinstance(exc, Terminated):
+                raise exc from None
+            raise
         finally:
-            flwr_logger.setLevel(level)
+            flwr_logger.disabled = disabled
         if not result:
             raise ConfigError(f"the federated run in {out} did not finish: resume it with --resume")
         return result

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ __all__ = [
     "LOG_FILE",
     "RUN_FILE",
     "SUMMARY_FILE",
+    "failure_reason",
     "read_checkpoint",
     "read_config",
     "summarize",
@@ -65,6 +67,29 @@ def prepare(out: Path, config: FederateConfig) -> None:
             f"{out}, or choose another --out"
         )
     files.write_json_atomic(out / RUN_FILE, {"federate": config.to_json()})
+
+
+#: Terminal colour codes (Ray colours the actor's name in its error texts).
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+#: A line that names an exception and its message (``RuntimeError: ...``).
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)\b[^:]*: \S")
+
+
+def failure_reason(text: str, limit: int = 300) -> str:
+    """A failed client's own error out of the reason of its error reply (the log's
+    ``reason``): Flower and Ray wrap it in an actor's repr and two tracebacks, whose first
+    line names neither the error nor the client. The message Flower's ``ClientAppException``
+    carries (``Message: ...``), else the last line that names an exception, else the first
+    line; at most ``limit`` characters, colour codes removed."""
+    lines = [line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Message: " in line:  # Flower quotes it: <class ...>:<'... Message: M'>
+            return line.split("Message: ", 1)[1].removesuffix("'>")[:limit]
+    for line in reversed(lines):
+        if _ERROR_LINE.match(line):
+            return line[:limit]
+    return lines[0][:limit] if lines else "unknown"
 
 
 def read_config(out: Path) -> FederateConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,7 +40,43 @@ from .task import Task, load_task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticFedAvg", "GlobalModel", "app", "serve"]
+__all__ = ["STOP", "ElasticFedAvg", "GlobalModel", "Stopped", "app", "exchange", "serve"]
+
+#: Set by the process that runs a simulation when it is interrupted
+#: (:func:`etgraph.federated.run.federate`): the server stops waiting for replies. Flower's
+#: ``send_and_receive`` cannot be cancelled, and its thread kept an interrupted ``etgraph
+#: federate`` alive after its last line (it waits ``round_timeout_s``, 15 minutes by default).
+STOP = threading.Event()
+
+#: Seconds between two polls for replies (Flower's in-memory grid polls every 0.1 s too).
+PULL_INTERVAL_S = 0.1
+
+
+class Stopped(Exception):
+    """The server was stopped (:data:`STOP`) while it waited."""
+
+
+def exchange(grid: Grid, messages: Iterable[Message], timeout_s: float) -> list[Message]:
+    """Flower's ``grid.send_and_receive(messages, timeout=timeout_s)`` that gives up when
+    :data:`STOP` is set: push, then pull the replies until every message has one or
+    ``timeout_s`` wall seconds have passed.
+
+    Raises:
+        Stopped: :data:`STOP` was set.
+    """
+    pending = set(grid.push_messages(messages))
+    end = time.monotonic() + timeout_s
+    replies: list[Message] = []
+    while pending and time.monotonic() < end:
+        if STOP.is_set():
+            raise Stopped
+        new = list(grid.pull_messages(pending))
+        replies += new
+        pending -= {m.metadata.reply_to_message_id for m in new}
+        if pending:
+            STOP.wait(PULL_INTERVAL_S)
+    return replies
+
 
 #: Wall seconds the server waits for the run's clients to connect.
 CONNECT_TIMEOUT_S = 300.0
@@ -96,7 +133,7 @@ class ElasticFedAvg(Strategy):
             Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
             for node in unknown
         ]
-        for reply in grid.send_and_receive(queries, timeout=timeout_s):
+        for reply in exchange(grid, queries, timeout_s):
             if not reply.has_error():
                 pid = int(reply.content["metrics"]["partition-id"])
                 self.node_partitions[reply.metadata.src_node_id] = pid
@@ -145,7 +182,7 @@ class ElasticFedAvg(Strategy):
             entry["reason"] = "no reply within the server's wait"
             return entry, None, 0.0
         if reply.has_error():
-            entry.update(status="failed", reason=str(reply.error.reason).splitlines()[0][:300])
+            entry.update(status="failed", reason=rundir.failure_reason(str(reply.error.reason)))
             return entry, None, 0.0
         m = dict(reply.content["metrics"])
         arrays = reply.content["arrays"]
@@ -265,12 +302,14 @@ def _initial_weights(model) -> dict:
 def _wait_for_nodes(grid: Grid, count: int) -> None:
     t0 = time.monotonic()
     while len(list(grid.get_node_ids())) < count:
+        if STOP.is_set():
+            raise Stopped
         if time.monotonic() - t0 > CONNECT_TIMEOUT_S:
             raise ConfigError(
                 f"only {len(list(grid.get_node_ids()))} of {count} clients connected within "
                 f"{CONNECT_TIMEOUT_S:.0f} s: start {count} SuperNodes, or lower --clients"
             )
-        time.sleep(0.2)
+        STOP.wait(0.2)
 
 
 def serve(grid: Grid, config: FederateConfig, out: Path, *, on_round=None) -> dict:
@@ -304,7 +343,7 @@ def serve(grid: Grid, config: FederateConfig, out: Path, *, on_round=None) -> di
             strategy.identify(grid, config.round_timeout_s)
             arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in weights.items()})
             messages = strategy.configure_train(rnd, arrays, ConfigRecord(), grid)
-            replies = grid.send_and_receive(messages, timeout=config.round_timeout_s)
+            replies = exchange(grid, messages, config.round_timeout_s)
             new, _ = strategy.aggregate_train(rnd, replies)
             weights = {k: a.numpy() for k, a in new.items()}
             t_eval = time.perf_counter()
