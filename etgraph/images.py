@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import ConfigError, DataError
 
@@ -378,13 +378,25 @@ def pixels(img: Image.Image, mode: str) -> Image.Image:
         return img.convert(mode)
 
 
+def upright(img: Image.Image, path: Path) -> Image.Image:
+    """``img`` turned as its EXIF ``Orientation`` tag says, in place: a phone stores a photo as
+    its sensor saw it and tags how to turn it, and galleries (and Hugging Face ``datasets``
+    since 2024) show it turned; without this a portrait photo trained lying on its side. A tag
+    that cannot be read leaves the picture as stored (a warning names the file)."""
+    try:
+        ImageOps.exif_transpose(img, in_place=True)
+    except Exception as exc:  # a malformed EXIF block raises anything (datasets #7668)
+        log.warning("%s: its EXIF orientation cannot be read (%s): used as stored", path, exc)
+    return img
+
+
 def decode_image(path: Path, size: tuple[int, int], mode: str) -> np.ndarray:
     """Decode one image to float32 ``[H, W, C]`` in 0-255 (RGB or grey; :func:`pixels`),
-    resized bilinearly."""
+    upright (:func:`upright`), resized bilinearly."""
     h, w = size
     try:
         with Image.open(path) as img:
-            img = pixels(img, mode).resize((w, h), Image.BILINEAR)
+            img = pixels(upright(img, path), mode).resize((w, h), Image.BILINEAR)
             arr = np.asarray(img, dtype=np.float32)
     except IMAGE_ERRORS as exc:
         raise DataError(f"cannot read image {path}: {exc}; remove or replace the file") from exc

@@ -206,6 +206,33 @@ def test_unreadable_image_names_the_file(tmp_path):
         load_dataset(root, input_shape=SHAPE)
 
 
+def test_a_phone_photo_is_decoded_upright(tmp_path, caplog, monkeypatch):
+    """A JPEG stored as the sensor saw it (40 wide, 20 high, left half white) with EXIF
+    Orientation 6 ("turn 90 degrees clockwise to show"): shown upright it is 20 wide, 40 high,
+    top half white. It was decoded as stored: the model trained it lying on its side. A tag
+    that cannot be read leaves the picture as stored, with a warning naming the file."""
+    from PIL import ImageOps
+
+    from etgraph.images import decode_image
+
+    stored = np.zeros((20, 40, 3), np.uint8)
+    stored[:, :20] = 255
+    img = Image.fromarray(stored)
+    exif = img.getexif()
+    exif[0x0112] = 6  # Orientation
+    img.save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    x = decode_image(tmp_path / "phone.jpg", (8, 8), "RGB")[:, :, 0]
+    assert x[:3].min() > 200 and x[5:].max() < 50  # top half white, bottom black
+
+    def unreadable(*_, **__):  # what Pillow raises on some broken EXIF blocks (datasets #7668)
+        raise SyntaxError("not a TIFF file")
+
+    monkeypatch.setattr(ImageOps, "exif_transpose", unreadable)
+    x = decode_image(tmp_path / "phone.jpg", (8, 8), "RGB")[:, :, 0]
+    assert x[:, :3].min() > 200 and x[:, 5:].max() < 50  # as stored: left half white
+    assert "phone.jpg: its EXIF orientation cannot be read (not a TIFF file)" in caplog.text
+
+
 def test_truncated_image_fails_at_batch_time_with_file_name(tmp_path):
     root = make_folder(tmp_path / "ds", classes=("a",), per_class=2)
     good = (root / "a" / "img0.png").read_bytes()
