@@ -276,7 +276,23 @@ def make_preprocess(
     return replace(base, preset=None, **changes)
 
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+    | ({".avif"} & set(Image.registered_extensions()))  # Pillow >= 11.3 opens AVIF
+)
+
+#: Photo formats Pillow cannot open (HEIC/HEIF, a phone's default; JPEG XL; camera raw): the
+#: files of a class folder in them are named, never left out without a word.
+PHOTO_EXTENSIONS_UNREAD = (
+    frozenset(".heic .heif .avif .jxl .dng .cr2 .cr3 .nef .arw .orf .rw2 .raf".split())
+    - IMAGE_EXTENSIONS
+)
+
+
+def _counts(paths: Sequence[Path]) -> str:
+    """``"12 .heic, 3 .dng"``: how many of ``paths`` have each suffix."""
+    suffixes = [p.suffix.lower() for p in paths]
+    return ", ".join(f"{suffixes.count(s)} {s}" for s in sorted(set(suffixes)))
 
 
 def scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
@@ -303,19 +319,26 @@ def scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
         )
     files: list[Path] = []
     labels: list[int] = []
+    unread: list[Path] = []
     for label, d in enumerate(subdirs):
-        named = [  # hidden files and folders skipped at any depth, as hidden classes are
+        visible = [  # hidden files and folders skipped at any depth, as hidden classes are
             p
             for p in d.rglob("*")
-            if p.suffix.lower() in IMAGE_EXTENSIONS
-            and not any(part.startswith(".") for part in p.relative_to(d).parts)
+            if not any(part.startswith(".") for part in p.relative_to(d).parts)
         ]
+        named = [p for p in visible if p.suffix.lower() in IMAGE_EXTENSIONS]
+        photos = [p for p in visible if p.suffix.lower() in PHOTO_EXTENSIONS_UNREAD]
         broken = [p for p in named if p.is_symlink() and not p.exists()]
         if broken:
             raise DataError(
                 f"image {broken[0]} is a broken link ({len(broken)} in {d}): fix or remove it"
             )
         imgs = sorted(p for p in named if p.is_file())
+        if not imgs and photos:
+            raise DataError(
+                f"class folder {d} has only photos etgraph cannot read ({_counts(photos)}): "
+                "convert them to JPEG or PNG"
+            )
         if not imgs:
             raise DataError(
                 f"class folder {d} has no images ({', '.join(sorted(IMAGE_EXTENSIONS))}): "
@@ -323,6 +346,15 @@ def scan_image_folder(root: Path) -> tuple[list[str], list[Path], np.ndarray]:
             )
         files += imgs
         labels += [label] * len(imgs)
+        unread += photos
+    if unread:
+        log.warning(
+            "%d photos under %s are in formats etgraph cannot read and are left out (%s): "
+            "convert them to JPEG or PNG to train on them",
+            len(unread),
+            root,
+            _counts(unread),
+        )
     return [d.name for d in subdirs], files, np.array(labels, dtype=np.int64)
 
 

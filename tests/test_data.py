@@ -233,6 +233,28 @@ def test_a_phone_photo_is_decoded_upright(tmp_path, caplog, monkeypatch):
     assert "phone.jpg: its EXIF orientation cannot be read (not a TIFF file)" in caplog.text
 
 
+def test_photos_etgraph_cannot_read_are_named_not_left_out_silently(tmp_path, caplog):
+    """A phone's HEIC photos (and camera raw) beside JPEGs in a class folder were left out
+    of training without a word; a folder of them only said it "has no images". JPEG's other
+    suffixes (.jfif, Windows' save name; .jpe) were left out too: they are read now."""
+    root = make_folder(tmp_path / "ds", classes=("a", "b"), per_class=2)
+    (root / "a" / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (root / "a" / "IMG_0002.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (root / "b" / "DSC_0001.dng").write_bytes(b"II*\x00")
+    (root / "b" / "notes.txt").write_text("not a photo: not named")
+    (root / "b" / "img0.png").rename(root / "b" / "img0.jfif")  # a PNG, whatever its name
+    ds = load_dataset(root, input_shape=SHAPE, val_fraction=0)
+    assert ds.n_train == 4  # the .jfif included
+    assert "3 photos under" in caplog.text and "(1 .dng, 2 .heic)" in caplog.text
+    only = tmp_path / "heic"
+    (only / "a").mkdir(parents=True)
+    (only / "a" / "IMG_0001.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    make_folder(only, classes=("b",), per_class=1)
+    with pytest.raises(DataError, match=r"class folder .*a has only photos etgraph cannot "
+                       r"read \(1 .heic\): convert them to JPEG or PNG"):  # fmt: skip
+        load_dataset(only, input_shape=SHAPE)
+
+
 def test_truncated_image_fails_at_batch_time_with_file_name(tmp_path):
     root = make_folder(tmp_path / "ds", classes=("a",), per_class=2)
     good = (root / "a" / "img0.png").read_bytes()
