@@ -240,6 +240,8 @@ def load_run_data(
             cannot fit in memory (:func:`etgraph.memory.check_step_fits`).
     """
     check_step_fits(model, config.batch_size, shapes)  # before the data is allocated
+    if config.memory_mb is not None:  # the budget does not count decoded images kept
+        kwargs.setdefault("cache_mb", 0.0)
     dataset = as_dataset(
         data,
         inputs=model.inputs,
