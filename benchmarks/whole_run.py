@@ -9,6 +9,10 @@ The model (a zoo name, exported at --input-size, or an .onnx file) trains on --e
 5-9 (80% train: 120 images by default; upsampled to the input size, 3 channels) twice per
 repeat, side by side in one process: ``full`` (every tensor) and ``elastic`` at ``--rho`` (one
 elastic run per ``--probe-batch-sizes`` value: importance's batch), alternating the order.
+``--task photos``: --model on a folder of --examples 12 MP phone-photo JPEGs in two classes
+(``benchmarks/image_loading.py``'s; speed only: their classes differ by noise), and
+``--reading before,after`` runs each variant with images read as before session 19 (decoded
+at full size every epoch) and as now (decoded once, at the smallest JPEG scale), interleaved.
 ``--task animals``: issue 30's pretrained vision task instead
 (ImageNet MobileNetV2, fresh 10-class head, 96 px, Animal-MNIST silhouettes: --examples training
 images, batch 32, lr 3e-4). A run's time is what a user waits for: the ``etgraph.loop.train``
@@ -23,6 +27,7 @@ export). Results: benchmarks/results/whole_run_<model>_<size>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -90,6 +95,26 @@ def animals_task(work: Path, train_images: int) -> tuple[Path, Path]:
     return export_onnx(module, work / "animals.onnx", input_shape=(3, 96, 96)), data
 
 
+@contextlib.contextmanager
+def read_images(reading: str):
+    """Image folders read as now (``after``) or as before session 19 (``before``: every
+    picture decoded at full size every epoch, :func:`image_loading.full_decode`, no cache)."""
+    if reading == "after":
+        yield
+        return
+    from image_loading import full_decode
+
+    from etgraph import data
+
+    decode, folder = data.decode_image, data.load_image_folder
+    data.decode_image = full_decode
+    data.load_image_folder = lambda *a, **k: folder(*a, **{**k, "cache_mb": 0.0})
+    try:
+        yield
+    finally:
+        data.decode_image, data.load_image_folder = decode, folder
+
+
 def one_run(model, profile, config, out: Path) -> dict:
     """Train into ``out``; the run's wall time and its overhead split (s)."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -118,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--task",
-        choices=("digits", "animals"),
+        choices=("digits", "animals", "photos"),
         default="digits",
         help="digits: --model on --examples digits; animals: the pretrained MobileNetV2 "
         "animal task (issue 30) at --examples training images, batch 32, lr 3e-4",
@@ -136,16 +161,32 @@ def main() -> None:
         help="comma-separated importance batch sizes: one elastic run each per repeat, "
         "beside the same full run (e.g. 32,4: the run's batch against the paper's 4)",
     )
+    ap.add_argument(
+        "--reading",
+        default="after",
+        help="comma-separated: how image folders are read, 'after' (now) and/or 'before' "
+        "(decoded at full size every epoch, as before session 19), interleaved per repeat",
+    )
     args = ap.parse_args()
     probes = [int(v) for v in args.probe_batch_sizes.split(",")]
+    readings = args.reading.split(",")
     variants = {"full": None} | {
         ("elastic" if len(probes) == 1 else f"elastic, probe {b}"): b for b in probes
     }
+    if len(readings) > 1:
+        variants = {f"{name}, read {r}": b for r in readings for name, b in variants.items()}
     with tempfile.TemporaryDirectory(prefix="whole-run-") as tmp:
         work = Path(tmp)
         if args.task == "animals":
             path, data = animals_task(work, args.examples)
             args.model, args.input_size, batch, lr = "mobilenet_v2_animals", 96, 32, 3e-4
+        elif args.task == "photos":
+            from image_loading import write_photos
+
+            path = model_file(args.model, args.input_size, work)
+            data = work / "photos"
+            write_photos(data, args.examples)
+            batch, lr = 4, TrainConfig.learning_rate
         else:
             path = model_file(args.model, args.input_size, work)
             data = digits_npz(work / "digits.npz", args.examples, args.input_size)
@@ -167,7 +208,8 @@ def main() -> None:
                     learning_rate=lr,
                     probe_batch_size=variants[name] or TrainConfig.probe_batch_size,
                 )
-                runs[name].append(one_run(model, profile, config, work / f"run{r}_{i}"))
+                with read_images("before" if name.endswith("read before") else readings[0]):
+                    runs[name].append(one_run(model, profile, config, work / f"run{r}_{i}"))
                 print(f"repeat {r} {name}: {runs[name][-1]['run_s']:.1f} s", flush=True)
     print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
           f"period {args.period}, rho {args.rho}, batch {batch}, {args.repeats} repeats "
@@ -175,10 +217,14 @@ def main() -> None:
           f"{ms([r['load_average'] for v in runs.values() for r in v])} on {os.cpu_count()} "
           f"cores; full run {ms([f['run_s'] for f in runs['full']])} s")  # fmt: skip
     payload = {"args": vars(args), "runs": runs}
-    for name in list(variants)[1:]:
-        payload[name] = report(name, runs["full"], runs[name])
+    for name in variants:
+        reading = name.rsplit(", read ", 1)[1] if len(readings) > 1 else None
+        full = "full" if reading is None else f"full, read {reading}"
+        if not name.startswith("full"):
+            payload[name] = report(name, runs[full], runs[name])
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}.json"
+    task = "_photos" if args.task == "photos" else ""
+    out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}{task}.json"
     out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {out}")
 

@@ -247,8 +247,9 @@ def load_image_folder(
 
     Images are decoded when a batch needs them (:func:`etgraph.images.decode_image`) and kept,
     decoded and resized, up to ``cache_mb`` MiB in all (:data:`IMAGE_CACHE_MB`): a small
-    on-device dataset is decoded once per run, not once per epoch (issue 31: twelve phone
-    photos of 12 MP took longer to decode than a ResNet-18 step on them).
+    on-device dataset is decoded once per run, not once per epoch (issue 31: a 12 MP phone
+    photo took 150-200 ms to decode, every epoch, against a 50-110 ms ResNet-18 step on four
+    of them at 64 px; ``benchmarks/image_loading.py``).
 
     Args:
         root: dataset directory.
@@ -288,14 +289,15 @@ def load_image_folder(
     preprocess = DEFAULT_PREPROCESS if preprocess is None else preprocess
 
     cache: dict[int, np.ndarray] = {}
-    room = [cache_mb * 2**20]  # bytes left
+    room = cache_mb * 2**20  # bytes the cache may still take
 
     def decoded(i: int) -> np.ndarray:
+        nonlocal room
         arr = cache.get(i)
         if arr is None:
             arr = decode_image(files[i], (h, w), mode)
-            if arr.nbytes <= room[0]:
-                cache[i], room[0] = arr, room[0] - arr.nbytes
+            if arr.nbytes <= room:
+                cache[i], room = arr, room - arr.nbytes
         return arr
 
     def load(index: np.ndarray) -> np.ndarray:
