@@ -208,14 +208,16 @@ def main() -> None:
                     learning_rate=lr,
                     probe_batch_size=variants[name] or TrainConfig.probe_batch_size,
                 )
-                with read_images("before" if name.endswith("read before") else readings[0]):
+                reading = name.rsplit(", read ", 1)[1] if len(readings) > 1 else readings[0]
+                with read_images(reading):
                     runs[name].append(one_run(model, profile, config, work / f"run{r}_{i}"))
                 print(f"repeat {r} {name}: {runs[name][-1]['run_s']:.1f} s", flush=True)
     print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
           f"period {args.period}, rho {args.rho}, batch {batch}, {args.repeats} repeats "
           f"(mean ± std); 1-min load average at the runs' ends "
           f"{ms([r['load_average'] for v in runs.values() for r in v])} on {os.cpu_count()} "
-          f"cores; full run {ms([f['run_s'] for f in runs['full']])} s")  # fmt: skip
+          f"cores; " + "; ".join(f"{name} {ms([f['run_s'] for f in runs[name]])} s"
+                                  for name in variants if name.startswith("full")))  # fmt: skip
     payload = {"args": vars(args), "runs": runs}
     for name in variants:
         reading = name.rsplit(", read ", 1)[1] if len(readings) > 1 else None
