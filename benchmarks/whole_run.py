@@ -170,11 +170,16 @@ def main() -> None:
     args = ap.parse_args()
     probes = [int(v) for v in args.probe_batch_sizes.split(",")]
     readings = args.reading.split(",")
-    variants = {"full": None} | {
+
+    def label(name: str, reading: str) -> str:
+        return name if len(readings) == 1 else f"{name}, read {reading}"
+
+    strategies = {"full": None} | {
         ("elastic" if len(probes) == 1 else f"elastic, probe {b}"): b for b in probes
     }
-    if len(readings) > 1:
-        variants = {f"{name}, read {r}": b for r in readings for name, b in variants.items()}
+    variants = {  # label -> (importance's probe batch, or None for full; reading)
+        label(name, r): (b, r) for r in readings for name, b in strategies.items()
+    }
     with tempfile.TemporaryDirectory(prefix="whole-run-") as tmp:
         work = Path(tmp)
         if args.task == "animals":
@@ -201,15 +206,14 @@ def main() -> None:
                     epochs=args.epochs,
                     period=args.period,
                     rho=args.rho,
-                    strategy="full" if variants[name] is None else "elastic",
+                    strategy="full" if variants[name][0] is None else "elastic",
                     data=str(data),
                     seed=r,
                     batch_size=batch,
                     learning_rate=lr,
-                    probe_batch_size=variants[name] or TrainConfig.probe_batch_size,
+                    probe_batch_size=variants[name][0] or TrainConfig.probe_batch_size,
                 )
-                reading = name.rsplit(", read ", 1)[1] if len(readings) > 1 else readings[0]
-                with read_images(reading):
+                with read_images(variants[name][1]):
                     runs[name].append(one_run(model, profile, config, work / f"run{r}_{i}"))
                 print(f"repeat {r} {name}: {runs[name][-1]['run_s']:.1f} s", flush=True)
     print(f"\n{args.model} {args.input_size} px, {args.examples} examples, {args.epochs} epochs, "
@@ -217,13 +221,11 @@ def main() -> None:
           f"(mean ± std); 1-min load average at the runs' ends "
           f"{ms([r['load_average'] for v in runs.values() for r in v])} on {os.cpu_count()} "
           f"cores; " + "; ".join(f"{name} {ms([f['run_s'] for f in runs[name]])} s"
-                                  for name in variants if name.startswith("full")))  # fmt: skip
+                                  for name, (b, _) in variants.items() if b is None))  # fmt: skip
     payload = {"args": vars(args), "runs": runs}
-    for name in variants:
-        reading = name.rsplit(", read ", 1)[1] if len(readings) > 1 else None
-        full = "full" if reading is None else f"full, read {reading}"
-        if not name.startswith("full"):
-            payload[name] = report(name, runs[full], runs[name])
+    for name, (probe, reading) in variants.items():
+        if probe is not None:
+            payload[name] = report(name, runs[label("full", reading)], runs[name])
     RESULTS.mkdir(parents=True, exist_ok=True)
     task = "_photos" if args.task == "photos" else ""
     out = RESULTS / f"whole_run_{Path(args.model).stem}_{args.input_size}{task}.json"
