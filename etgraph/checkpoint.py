@@ -458,17 +458,23 @@ def _link_atomic(source: Path, destination: Path) -> None:
 
 
 @contextlib.contextmanager
-def checkpoint_target(path: str | os.PathLike) -> Iterator[Path]:
+def checkpoint_target(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]:
     """:func:`etgraph.files.atomic_target` for a checkpoint: yield a temporary path to write it
     to; when the block completes, the current version (if any) is kept as
     ``<path>.prev`` (a hard link: no copy), the new one's sha256 is recorded in
     ``<path>.sha256`` together with the current one's, and the new file replaces ``path``.
 
     A kill at any point leaves a checkpoint and a ``.prev`` whose digests are recorded: the old
-    pair until the record is written, which lists both the old and the new digest."""
+    pair until the record is written, which lists both the old and the new digest.
+
+    ``durable=False`` is for a checkpoint nothing resumes from (a trainer's private work
+    directory, removed when it closes): the new file still replaces ``path`` by a rename (a
+    view mapped from the old file stays valid), with no fsync, digest or previous version."""
     path = Path(path)
-    with atomic_target(path) as tmp:
+    with atomic_target(path, fsync=durable) as tmp:
         yield tmp
+        if not durable:
+            return
         digest = _sha256(tmp)
         current = _recorded(path)[:1]
         if path.exists():

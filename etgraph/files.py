@@ -75,18 +75,20 @@ def temporary_prefix(name: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_target(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` to write to; when the block completes, fsync it and
-    rename it over ``path``. On an exception it is deleted; a SIGKILL leaves it for
-    :func:`remove_temporaries`, and ``path`` keeps its last complete version."""
+def atomic_target(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write to; when the block completes, fsync it
+    (unless ``fsync`` is False: a file nothing needs after a crash) and rename it over ``path``.
+    On an exception it is deleted; a SIGKILL leaves it for :func:`remove_temporaries`, and
+    ``path`` keeps its last complete version."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

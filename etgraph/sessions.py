@@ -249,13 +249,15 @@ class TrainingSession:
             self.module.train()
         return total_loss / max(count, 1), total_metric / max(count, 1)
 
-    def save(self, path: str | os.PathLike, properties: Mapping[str, str]) -> None:
-        """Save weights + optimizer state + string properties to ``path`` atomically, its
-        digest recorded and the previous version kept (:func:`etgraph.checkpoint.
-        checkpoint_target`)."""
+    def save(
+        self, path: str | os.PathLike, properties: Mapping[str, str], *, durable: bool = True
+    ) -> None:
+        """Save weights + optimizer state + string properties to ``path`` atomically; when
+        ``durable`` (a run directory's checkpoint), fsynced, its digest recorded and the previous
+        version kept (:func:`etgraph.checkpoint.checkpoint_target`)."""
         for key, value in properties.items():
             self.state.properties[key] = value
-        with checkpoint_target(path) as tmp:
+        with checkpoint_target(path, durable=durable) as tmp:
             api.CheckpointState.save_checkpoint(self.state, str(tmp), include_optimizer_state=True)
 
     def release_sessions(self) -> None:

@@ -439,7 +439,8 @@ class ElasticTrainer(WeightsAccess):
             config_hash=self.config.digest(),
             seed=self.config.seed,
         )
-        self._session.save(self.checkpoint_path, properties)
+        # a run directory's checkpoint survives a crash; the work directory's is gone with it
+        self._session.save(self.checkpoint_path, properties, durable=self.out is not None)
         log.debug("checkpoint after epoch %d: %.3f s", self.epoch, time.perf_counter() - t0)
         self._period = None
         self.periods_ended = info.period + 1

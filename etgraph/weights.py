@@ -58,7 +58,7 @@ class WeightsAccess:
         path = self.work_dir / "state.ckpt"
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if self._session is not None and self._session.module is not None:
-            self._session.save(path, {})
+            self._session.save(path, {}, durable=False)  # the work directory's
         elif isinstance(self._carried, Path):
             return self._carried
         else:

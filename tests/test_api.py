@@ -144,7 +144,7 @@ def test_a_trainer_removes_what_killed_etgraph_processes_left(
 
 @pytest.mark.slow
 def test_period_epoch_and_step_levels_and_weights_in_and_out(
-    tmp_path, default_model, default_profile
+    tmp_path, monkeypatch, default_model, default_profile
 ):
     """Driven by hand: a period's selection, an epoch, single steps; the weights read back equal
     those set; ``trained_weights`` holds exactly the tensors selected since the last set (and
@@ -161,8 +161,15 @@ def test_period_epoch_and_step_levels_and_weights_in_and_out(
         info = trainer.begin_period()
         assert info.period == 0 and info.mask.dtype == bool and info.selected
         assert info.importance.shape == (len(default_model.names),)
-        record = trainer.train_epoch()  # the period's last epoch: it ends the period
+        fsyncs = []
+        with monkeypatch.context() as m:
+            m.setattr(os, "fsync", lambda fd: fsyncs.append(fd))
+            record = trainer.train_epoch()  # the period's last epoch: it ends the period
         assert record["epoch"] == 1 and record["steps"] == 6
+        # the period end's checkpoint in the private work directory: nothing resumes from it,
+        # so no fsync, digest or previous version (a run directory's has them)
+        assert fsyncs == []
+        assert [p.name for p in trainer.work_dir.glob("checkpoint*")] == ["checkpoint"]
         trained = trainer.trained_weights()
         state_copy = trainer.work_dir / "state.ckpt"
         assert not state_copy.exists()  # between periods: read from the period end's checkpoint
