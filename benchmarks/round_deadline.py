@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from etgraph.federated.client import FederatedClient  # noqa: E402
 from etgraph.federated.config import FederateConfig  # noqa: E402
+from etgraph.federated.rundir import LATE_TOLERANCE  # noqa: E402
 
-#: A round is late above this multiple of the deadline (issue 29: "within its deadline +5%").
-LATE = 1.05
+#: A round is late above this multiple of the deadline, as the server counts it.
+LATE = 1 + LATE_TOLERANCE
 
 
 @click.command()
