@@ -40,7 +40,7 @@ from .errors import (
     resource_error,
 )
 from .federated.cli import federate_command
-from .files import sweep_stale_temp_dirs
+from .files import require_model_path, sweep_stale_temp_dirs
 from .host import exit_on_sigterm
 
 
@@ -216,12 +216,14 @@ def inspect_command(
     """Print the tensor table of TARGET (an .onnx model, or a compiled directory: what
     `etgraph train DIR` trains) and write the tensor-level backward graph (JSON node-link,
     GraphML, DOT; the tensor chain as a picture with --render)."""
-    from passes import describe_pipeline, tensor_graph_pipeline
-    from passes.onnx import eval_model_pipeline, legalization_pipeline, training_model_pipeline
-
-    from . import dumps, graph
-
     if show_passes:
+        from passes import describe_pipeline, tensor_graph_pipeline
+        from passes.onnx import (
+            eval_model_pipeline,
+            legalization_pipeline,
+            training_model_pipeline,
+        )
+
         pipelines = (
             (
                 "ONNX legalisation (passes/onnx/, every model loaded; the last with "
@@ -242,12 +244,16 @@ def inspect_command(
     if target is None:  # optional only for --passes: the usual usage error otherwise
         raise click.UsageError("Missing argument 'TARGET'.", ctx=click.get_current_context())
     dumped = Path(target).is_dir() or Path(target).suffix == ".json"
+    if not dumped:
+        require_model_path(target, directory_ok=True)  # before the imports (seconds)
     given = [o for o, v in (("--output", model_output), ("--loss", loss)) if v is not None]
     if dumped and given:
         raise ConfigError(
             f"{target} holds a graph built as it was compiled: drop {', '.join(given)} (or "
             "inspect the .onnx model with them)"
         )
+    from . import dumps, graph
+
     tensor_graph = graph.load_tensor_graph(target, output=model_output, loss=loss or "ce")
     click.echo(graph.format_tensor_table(graph.tensor_table(tensor_graph)))
     if tensor_graph.graph.get("num_ops") is not None:
@@ -330,6 +336,7 @@ def profile_command(
     """Measure per-tensor backward times t_dw/t_dy of MODEL.onnx on this device (paper §5).
     `etgraph compile` profiles too (cached) and `etgraph train DIR` reuses a compiled
     directory's profile: run this one to inspect or share a profile."""
+    require_model_path(model)  # before the imports (seconds)
     from . import onnx_io
     from .files import ensure_writable_file
     from .io_specs import parse_input_shapes
@@ -463,6 +470,8 @@ def compile_command(
     """Compile MODEL (default: the embedded pretrained CNN) for elastic training: tensor graph,
     profile, DP selection under rho * T_full (and a peak-memory budget with --memory-mb), and
     ONNX Runtime training artifacts in OUT; then `etgraph train OUT` trains it."""
+    if model is not None:
+        require_model_path(model)  # before the imports (seconds)
     from .pipeline import compile_model
     from .plan import train_settings
 

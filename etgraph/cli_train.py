@@ -23,8 +23,8 @@ from .cli_options import (
     tokenizer_option,
     verbosity_options,
 )
-from .errors import ConfigError, HeadLrScaleError, ModelError, ProfileMismatchError
-from .files import require_run_dir
+from .errors import ConfigError, HeadLrScaleError, ProfileMismatchError
+from .files import require_model_path, require_run_dir
 from .host import process_age_s
 from .selection import IMPORTANCE_VARIANTS, STRATEGIES
 
@@ -155,12 +155,14 @@ def train_command(ctx: click.Context, model, **opts):
         epochs = opts["epochs"] if given(ctx, "epochs") else None
         click.echo(format_summary(resume(opts["resume_dir"], progress=progress, epochs=epochs)))
         return
+    if opts["out"] is None:  # these two before the heavy imports (seconds): user errors
+        raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
+    if model is not None:
+        require_model_path(model, directory_ok=True)
     from .config import load_run_data
     from .loop import train
     from .rundir import check_run_dir, format_summary
 
-    if opts["out"] is None:
-        raise ConfigError("missing --out DIR: where to write the log, checkpoints and model")
     plan = _compiled_plan(model)
     config = _train_config(plan, opts)  # validated before anything is measured
     loaded, profile = _train_model(model, plan, opts, config.head_lr_scale)
@@ -353,8 +355,6 @@ def _train_model(model, plan, opts: dict, head_lr_scale: float):
         if profile_path is not None:
             profile = Profile.load(profile_path)
     else:
-        if model is not None and not Path(model).is_file():
-            raise ModelError(f"model {model} does not exist: pass an ONNX file or compiled dir")
         loaded = load_model(
             model, output=opts["model_output"], loss=loss or "ce", head_lr_scale=head_lr_scale
         )

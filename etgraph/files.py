@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,21 @@ def remove_temporaries(directory: str | os.PathLike, names: Iterable[str] | None
         else:
             with contextlib.suppress(OSError):
                 p.unlink()
+
+
+def require_model_path(path: str | os.PathLike, *, directory_ok: bool = False) -> Path:
+    """``path`` as a Path if it names a model file (or, with ``directory_ok``, a compiled
+    directory); checked by every command before anything heavy is imported, so that a typo
+    answers at once.
+
+    Raises:
+        ModelError: nothing of that kind is there.
+    """
+    path = Path(path)
+    if not (path.is_file() or (directory_ok and path.is_dir())):
+        kind = "model file or compiled directory" if directory_ok else "model file"
+        raise ModelError(f"{path}: no such {kind}")
+    return path
 
 
 def require_run_dir(out: Path) -> None:

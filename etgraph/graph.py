@@ -33,7 +33,7 @@ from . import model as model_spec
 from .artifacts import ArtifactCache, generate
 from .dumps import read_graph
 from .errors import ConfigError, ModelError
-from .files import private_temp_dir
+from .files import private_temp_dir, require_model_path
 from .io_specs import input_specs, removed_head
 from .onnx_io import model_hash
 from .ops import op_rule
@@ -374,9 +374,10 @@ def load_tensor_graph(
     (:func:`etgraph.dumps.read_graph`), or a compiled directory holding one.
 
     Raises:
-        ConfigError: the target does not exist, is a directory without ``graph.json``, or is
-            not a tensor-graph dump.
-        ModelError: as :meth:`etgraph.model.LoadedModel.load` and :func:`build_tensor_graph`.
+        ConfigError: a directory without ``graph.json``, or a JSON file that is not a
+            tensor-graph dump.
+        ModelError: the target does not exist; as :meth:`etgraph.model.LoadedModel.load` and
+            :func:`build_tensor_graph`.
     """
     target = Path(target)
     if target.is_dir():
@@ -386,8 +387,7 @@ def load_tensor_graph(
         return read_graph(dump)
     if target.suffix == ".json":
         return read_graph(target)
-    if not target.exists():
-        raise ConfigError(f"{target}: no such model file or compiled directory")
+    require_model_path(target, directory_ok=True)
     loaded = model_spec.LoadedModel.load(target, output=output, loss=loss)
     return build_tensor_graph(loaded.proto, loss=loaded.task.loss)
 

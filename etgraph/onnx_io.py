@@ -48,7 +48,7 @@ from passes.onnx import (
 )
 
 from .errors import ModelError, first_line
-from .files import atomic_target
+from .files import atomic_target, require_model_path
 from .ops import FLOAT_TYPES
 
 __all__ = [
@@ -236,9 +236,7 @@ def load_model(
         HeadLrScaleError: ``head_lr_scale`` is not positive and finite, the model's head is
             not a supported form, or the model is already scaled by another factor.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"{path}: no such model file")
+    path = require_model_path(path)
     model = read_onnx(path)
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model with a graph (empty or truncated file?)")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,28 +36,60 @@ def run_cli_in_process(
     *args: str | os.PathLike, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """``etgraph.cli.main(ARGS)`` in this process, returned as :func:`run_cli` returns it (exit
-    code, stdout, stderr), without a new interpreter's ~2 s of imports. It sees what Python
-    writes; native output of ORT on file descriptor 2 and native crashes need :func:`run_cli`.
-    ``env`` entries are set for the call and restored after it."""
+    code, stdout, stderr), without a new interpreter's seconds of imports. stderr holds what
+    Python writes (log records as the CLI configures them), then what native code (ORT, onnx)
+    wrote to file descriptor 2; native crashes, signals and locks held by this process need
+    :func:`run_cli`. ``env`` entries are set for the call and restored after it, and the root
+    logger's handlers and level too."""
     from etgraph.cli import main
 
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
+    # the CLI's logging.basicConfig takes effect only on a root logger without handlers (as in
+    # a new process), pytest's are put back after the call, and the level -v sets
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
     code = 0
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with (
+            _native_stderr() as native,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
             main(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return subprocess.CompletedProcess(["etgraph", *argv], code, out.getvalue(), err.getvalue())
+    stderr = err.getvalue() + "".join(native)
+    return subprocess.CompletedProcess(["etgraph", *argv], code, out.getvalue(), stderr)
+
+
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """File descriptor 2 into a temporary file for the block: the list it yields holds, after
+    the block, what native code wrote there (Python's ``sys.stderr`` is not fd 2 under
+    pytest's capture)."""
+    written: list[str] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield written
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            written.append(tmp.read().decode(errors="replace"))
 
 
 def assert_user_error(done: subprocess.CompletedProcess, *fragments: str, code: int = 1) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import click
 import networkx as nx
 import pytest
@@ -25,6 +28,39 @@ def test_version_and_help():
 def test_bare_command_prints_its_help_not_an_error():
     out = run_cli()
     assert out.returncode == 2 and out.stdout.startswith("Usage: etgraph") and not out.stderr
+
+
+def test_a_typo_is_answered_before_the_heavy_imports(tmp_path):
+    """A missing model or --out is refused before onnxruntime, torch or onnx_ir is imported
+    (seconds each on a small board): one process runs the commands, then lists what it holds."""
+    nope, out = str(tmp_path / "nope.onnx"), str(tmp_path / "out")
+    commands = [
+        ["compile", nope, "-o", out],
+        ["profile", nope],
+        ["inspect", nope],
+        ["train", nope, "-o", out],
+        ["train", "--epochs", "1"],  # no --out
+        ["federate", nope, "--round-deadline", "30s", "-o", out],
+    ]
+    script = f"""
+import contextlib, io, sys
+from etgraph.cli import main
+for argv in {commands!r}:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            main(argv)
+    except SystemExit as exc:
+        print(exc.code, err.getvalue().strip())
+print(sorted(m for m in ("onnxruntime", "torch", "onnx_ir", "onnxscript") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    *errors, imported = done.stdout.strip().splitlines()
+    assert len(errors) == len(commands), done.stdout + done.stderr
+    for line in errors:
+        assert line.startswith("1 etgraph: error: "), line
+        assert "no such model file" in line or "missing --out" in line, line
+    assert imported == "[]"
 
 
 def test_interrupted_train_says_how_to_continue(monkeypatch, capsys, tmp_path):
@@ -67,8 +103,10 @@ def test_internal_error_names_the_innermost_cause(monkeypatch, capsys, tmp_path)
         run_passes(tensor_graph_pipeline(), g)
 
     monkeypatch.setattr(graph, "load_tensor_graph", broken_build)
+    model = tmp_path / "x.onnx"
+    model.write_bytes(b"")  # never read: the graph build above fails first
     with pytest.raises(SystemExit, match="3"):
-        cli_module.main(["inspect", str(tmp_path / "x.onnx")])
+        cli_module.main(["inspect", str(model)])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("etgraph: internal error: PreconditionError: tensor indices must be")
@@ -85,8 +123,10 @@ def test_internal_error_names_a_wrapped_cause_and_its_wrapper(monkeypatch, capsy
         run_passes(tensor_graph_pipeline(), g)
 
     monkeypatch.setattr(graph, "load_tensor_graph", broken_build)
+    model = tmp_path / "x.onnx"
+    model.write_bytes(b"")  # never read: the graph build above fails first
     with pytest.raises(SystemExit, match="3"):
-        cli_module.main(["inspect", str(tmp_path / "x.onnx")])
+        cli_module.main(["inspect", str(model)])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert (

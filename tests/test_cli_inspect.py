@@ -1,20 +1,20 @@
-"""`etgraph inspect` through a real subprocess."""
+"""`etgraph inspect`: the tensor table, the graph dumps and its one-line errors."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli_in_process
 
 from etgraph.dumps import read_graph
 from etgraph.graph import charges
 
 
-@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
+@pytest.mark.slow  # builds the tensor graph with ORT (seconds)
 def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
     out = tmp_path / "dumps"
-    proc = run_cli("inspect", str(tiny_cnn_onnx), "--out", str(out), "--render")
+    proc = run_cli_in_process("inspect", str(tiny_cnn_onnx), "--out", str(out), "--render")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:5] == ["index", "name", "kind", "shape", "params"]
@@ -30,35 +30,36 @@ def test_inspect_model_then_compiled_dir(tiny_cnn_onnx, tmp_path):
     assert len(charges(graph)) == graph.graph["num_ops"]
 
     # a compiled directory (holding graph.json) is inspected without rebuilding
-    proc = run_cli("inspect", str(out), "--format", "dot", "--out", str(tmp_path / "again"))
+    proc = run_cli_in_process(
+        "inspect", str(out), "--format", "dot", "--out", str(tmp_path / "again")
+    )
     assert proc.returncode == 0, proc.stderr
     assert lines[1] in proc.stdout
     assert (tmp_path / "again" / "graph.dot").is_file()
     assert not (tmp_path / "again" / "graph.json").exists()
     # its graph was built as compiled: a --loss for it would be silently ignored
-    proc = run_cli("inspect", str(out), "--loss", "mse", "--out", str(tmp_path / "mse"))
+    proc = run_cli_in_process("inspect", str(out), "--loss", "mse", "--out", str(tmp_path / "mse"))
     assert proc.returncode == 1 and "drop --loss" in proc.stderr
     assert not (tmp_path / "mse").exists()
 
 
-@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
 def test_inspect_errors_are_one_line(tmp_path):
-    proc = run_cli("inspect", str(tmp_path / "missing.onnx"))
+    proc = run_cli_in_process("inspect", str(tmp_path / "missing.onnx"))
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("etgraph: error:")
     assert "missing.onnx" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
-    proc = run_cli("inspect", str(tmp_path))  # a directory without graph.json
+    proc = run_cli_in_process("inspect", str(tmp_path))  # a directory without graph.json
     assert proc.returncode == 1 and "no graph.json" in proc.stderr
 
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"not a model at all")
-    proc = run_cli("inspect", str(junk))
+    proc = run_cli_in_process("inspect", str(junk))
     assert proc.returncode == 1 and "junk.onnx" in proc.stderr
 
 
 def test_inspect_passes_prints_the_pipeline():
-    proc = run_cli("inspect", "--passes")
+    proc = run_cli_in_process("inspect", "--passes")
     assert proc.returncode == 0, proc.stderr
     titles = [line for line in proc.stdout.splitlines() if not line.startswith(" ")]
     assert [title.split(" (")[0] for title in titles] == [
@@ -84,7 +85,7 @@ def test_inspect_passes_prints_the_pipeline():
 
 
 def test_inspect_without_target_is_a_usage_error():
-    proc = run_cli("inspect")
+    proc = run_cli_in_process("inspect")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "etgraph: error: Missing argument 'TARGET'. (see `etgraph inspect --help`)"

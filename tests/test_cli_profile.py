@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli_in_process
 
 from etgraph import onnx_io
 from etgraph.model import LoadedModel
@@ -19,7 +19,7 @@ def cache_at(path) -> dict[str, str]:
 def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
     out = tmp_path / "profile.json"
     args = ("profile", str(tiny_cnn_onnx), "--repeats", "3", "--threads", "1", "-o", str(out))
-    first = run_cli(*args, "--batch-size", "2", env=cache_at(tmp_path / "cache"))
+    first = run_cli_in_process(*args, "--batch-size", "2", env=cache_at(tmp_path / "cache"))
     assert first.returncode == 0, first.stderr
     assert "tensors, batch 2, input 3x32x32, 1 threads" in first.stdout
     assert "level fast" in first.stdout  # the default
@@ -42,14 +42,14 @@ def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
         return
     assert len(cached) == 1
 
-    second = run_cli(*args, "--batch-size", "2", env=cache_at(tmp_path / "cache"))
+    second = run_cli_in_process(*args, "--batch-size", "2", env=cache_at(tmp_path / "cache"))
     assert second.returncode == 0, second.stderr
     again = json.loads(out.read_text())
     assert again["tensor_timings"] == data["tensor_timings"]
     assert again["profiling_s"] == data["profiling_s"]  # not re-measured
 
     # The thorough level is its own cache entry.
-    third = run_cli(
+    third = run_cli_in_process(
         *args, "--batch-size", "2", "--profile-level", "thorough", env=cache_at(tmp_path / "cache")
     )
     assert third.returncode == 0, third.stderr
@@ -58,18 +58,17 @@ def test_profile_writes_json_and_hits_the_cache(tiny_cnn_onnx, tmp_path):
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 2
 
 
-@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
-def test_profile_errors_are_one_line(tmp_path):
-    missing = run_cli("profile", str(tmp_path / "nope.onnx"), env=cache_at(tmp_path))
+def test_profile_errors_are_one_line(tiny_cnn_onnx, tmp_path):
+    missing = run_cli_in_process("profile", str(tmp_path / "nope.onnx"), env=cache_at(tmp_path))
     assert missing.returncode == 1
     assert missing.stderr.startswith("etgraph: error:")
     assert len(missing.stderr.strip().splitlines()) == 1
-    bad_shape = run_cli(
-        "profile", str(tmp_path / "nope.onnx"), "--input-shape", "3xx32", env=cache_at(tmp_path)
+    bad_shape = run_cli_in_process(
+        "profile", str(tiny_cnn_onnx), "--input-shape", "3xx32", env=cache_at(tmp_path)
     )
     assert bad_shape.returncode == 1
     assert "input shape" in bad_shape.stderr
-    bad_level = run_cli(
+    bad_level = run_cli_in_process(
         "profile", str(tmp_path / "nope.onnx"), "--profile-level", "quick", env=cache_at(tmp_path)
     )
     assert bad_level.returncode == 2  # click's usage error names the choices

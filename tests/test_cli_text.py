@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models
 
 from etgraph.labels import METADATA_KEY
 from etgraph.text import load_tokenizer, tokenize
-from tests.helpers import assert_user_error, run_cli
+from tests.helpers import assert_user_error, run_cli_in_process
 
 text = pytest.importorskip("models.text", reason="transformers is in the test extra")
 
@@ -45,12 +45,12 @@ def test_compile_and_train_text(tmp_path, text_task):
     # short profile on a loaded machine can put rho 0.5 below what the forward pass costs
     csv_path, tok_path, model = text_task
     env = {"ETGRAPH_CACHE": str(tmp_path / "cache")}
-    done = run_cli(
+    done = run_cli_in_process(
         "compile", model, "-o", tmp_path / "c", "--data", csv_path, "--tokenizer", tok_path,
         "--repeats", "2", "--rho", "0.8", env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    done = run_cli(
+    done = run_cli_in_process(
         "train", tmp_path / "c", "--data", csv_path, "--tokenizer", tok_path, "--epochs", "2",
         "--period", "1", "--rho", "0.8", "--out", tmp_path / "run", "--quiet", env=env,
     )  # fmt: skip
@@ -70,13 +70,13 @@ def test_compile_and_train_text(tmp_path, text_task):
     big = tmp_path / "big.json"
     vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(998)}}
     Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(big))
-    done = run_cli(
+    done = run_cli_in_process(
         "train", tmp_path / "c", "--data", csv_path, "--tokenizer", big, "--epochs", "1",
         "--out", tmp_path / "run2", "--quiet", env=env,
     )  # fmt: skip
     assert_user_error(done, "vocabulary of 1000 tokens but the model's embedding table has")
     # text data without --tokenizer
-    done = run_cli(
+    done = run_cli_in_process(
         "train", tmp_path / "c", "--data", csv_path, "--epochs", "1", "--out",
         tmp_path / "run3", "--quiet", env=env,
     )  # fmt: skip

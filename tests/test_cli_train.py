@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from helpers import assert_user_error, run_cli
+from helpers import assert_user_error, run_cli, run_cli_in_process
 
 QUICK = ["--max-steps-per-epoch", "4", "--max-val-batches", "4", "--quiet"]
 
@@ -47,22 +47,24 @@ def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, pro
     shutil.copy(default_model_path, compiled / "model.onnx")
     shutil.copy(profile_json, compiled / "profile.json")
     out = tmp_path / "run"
-    done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
+    done = run_cli_in_process("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
     assert_user_error(done, "unfinished compile (no plan.json)", "etgraph compile MODEL -o")
     (compiled / "plan.json").write_text(json.dumps({"rho": 0.7, "batch_size": 4}))
-    done = run_cli("train", str(compiled), "--strategy", "bn-bias", "--epochs", "1",
-                   "--out", str(out), *QUICK)  # fmt: skip
+    done = run_cli_in_process("train", str(compiled), "--strategy", "bn-bias", "--epochs", "1",
+                              "--out", str(out), *QUICK)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bn-bias" in done.stdout and _epochs(out) == [1]
     # training into the compiled directory would overwrite its profile and artifacts
-    done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(compiled), *QUICK)
+    done = run_cli_in_process(
+        "train", str(compiled), "--epochs", "1", "--out", str(compiled), *QUICK
+    )
     assert_user_error(done, "is a compiled directory", "another --out")
     # nor can a compile overwrite the run
-    done = run_cli("compile", "-o", str(out))
+    done = run_cli_in_process("compile", "-o", str(out))
     assert_user_error(done, "holds a training run", "another -o")
     # rho and batch size default to the compiled plan's, not to the option defaults
     out = tmp_path / "run_planned"
-    done = run_cli("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
+    done = run_cli_in_process("train", str(compiled), "--epochs", "1", "--out", str(out), *QUICK)
     assert done.returncode == 0, done.stderr[-2000:]
     config = json.loads((out / "run.json").read_text())["config"]
     assert (config["rho"], config["batch_size"]) == (0.7, 4)
@@ -80,35 +82,38 @@ def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, pro
     ],
 )
 def test_train_bad_settings_are_one_line_errors(tmp_path, profile_json, args, fragment):
-    done = run_cli("train", "--profile", str(profile_json), "--out", str(tmp_path / "o"),
-                   "--epochs", "1", *args, *QUICK)  # fmt: skip
+    done = run_cli_in_process("train", "--profile", str(profile_json),
+                              "--out", str(tmp_path / "o"), "--epochs", "1", *args,
+                              *QUICK)  # fmt: skip
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("etgraph: error:"), done.stderr
     assert fragment in lines[0]
 
 
-@pytest.mark.slow  # seconds of subprocesses: the fast subset stays under 2 minutes
 def test_train_usage_errors(tmp_path):
     """Refused before any profile or model is read (so the profile need not exist)."""
-    missing_out = run_cli("train", "--profile", str(tmp_path / "profile.json"))
+    missing_out = run_cli_in_process("train", "--profile", str(tmp_path / "profile.json"))
     assert missing_out.returncode == 1 and "--out" in missing_out.stderr
-    no_model = run_cli("train", str(tmp_path / "nope.onnx"), "--out", str(tmp_path / "o"))
-    assert no_model.returncode == 1 and "does not exist" in no_model.stderr
-    no_run = run_cli("train", "--resume", str(tmp_path / "nowhere"))
+    no_model = run_cli_in_process(
+        "train", str(tmp_path / "nope.onnx"), "--out", str(tmp_path / "o")
+    )
+    assert_user_error(no_model, "nope.onnx: no such model file or compiled directory")
+    no_run = run_cli_in_process("train", "--resume", str(tmp_path / "nowhere"))
     assert no_run.returncode == 1 and "not a run directory (it does not exist)" in no_run.stderr
     (tmp_path / "empty").mkdir()
-    no_run = run_cli("train", "--resume", str(tmp_path / "empty"))
+    no_run = run_cli_in_process("train", "--resume", str(tmp_path / "empty"))
     assert no_run.returncode == 1 and "no training run" in no_run.stderr
-    bad_strategy = run_cli("train", "--strategy", "random", "--out", str(tmp_path / "o"))
+    bad_strategy = run_cli_in_process("train", "--strategy", "random", "--out", str(tmp_path / "o"))
     assert bad_strategy.returncode == 2
 
 
 def test_train_data_errors_come_before_profiling(tmp_path):
     """A missing dataset is reported before the model is profiled (empty profile cache)."""
     cache = tmp_path / "cache"
-    done = run_cli("train", "--data", str(tmp_path / "no_images"), "--out", str(tmp_path / "o"),
-                   *QUICK, env={"ETGRAPH_CACHE": str(cache)})  # fmt: skip
+    done = run_cli_in_process("train", "--data", str(tmp_path / "no_images"),
+                              "--out", str(tmp_path / "o"), *QUICK,
+                              env={"ETGRAPH_CACHE": str(cache)})  # fmt: skip
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "no_images" in lines[0], done.stderr
@@ -137,7 +142,7 @@ def test_compile_shows_progress_and_train_dir_uses_the_compiled_data(tmp_path, c
     a finished run."""
     images = _image_folder(tmp_path / "my images")
     compiled = tmp_path / "compiled"
-    done = run_cli(
+    done = run_cli_in_process(
         "compile", "-v", "--data", images, "-o", compiled, "--rho", "0.9", env=cache_env
     )  # fmt: skip (progress lines: at a terminal, or with -v)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -145,7 +150,7 @@ def test_compile_shows_progress_and_train_dir_uses_the_compiled_data(tmp_path, c
                   "selecting tensors", "writing the artifacts"):  # fmt: skip
         assert stage in done.stderr, stage
     assert json.loads((compiled / "plan.json").read_text())["data"] == str(images.resolve())
-    quiet = run_cli(
+    quiet = run_cli_in_process(
         "compile", "-q", "--data", images, "-o", compiled, "--rho", "0.9", env=cache_env
     )
     # nothing but the profiler's warnings of a loaded machine (it profiles again when a
@@ -153,8 +158,8 @@ def test_compile_shows_progress_and_train_dir_uses_the_compiled_data(tmp_path, c
     noise = [line for line in quiet.stderr.splitlines() if not line.startswith("WARNING")]
     assert quiet.returncode == 0 and noise == [], quiet.stderr[-2000:]
     out = tmp_path / "run"
-    done = run_cli("train", compiled, "--epochs", "1", "--period", "1", "-o", out, *QUICK,
-                   env=cache_env)  # fmt: skip
+    done = run_cli_in_process("train", compiled, "--epochs", "1", "--period", "1", "-o", out,
+                              *QUICK, env=cache_env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "was compiled with" in done.stderr
     run = json.loads((out / "run.json").read_text())
@@ -163,37 +168,31 @@ def test_compile_shows_progress_and_train_dir_uses_the_compiled_data(tmp_path, c
         f"class{k}" for k in range(5)
     ]
     # a finished run is extended, not refused; fewer epochs are refused
-    done = run_cli("train", "--resume", out, "--epochs", "2", "--quiet", env=cache_env)
+    done = run_cli_in_process("train", "--resume", out, "--epochs", "2", "--quiet", env=cache_env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _epochs(out) == [1, 2]
     assert json.loads((out / "summary.json").read_text())["epochs"] == 2
-    done = run_cli("train", "--resume", out, "--epochs", "1", env=cache_env)
+    done = run_cli_in_process("train", "--resume", out, "--epochs", "1", env=cache_env)
     assert_user_error(done, "extends a run", "more than its 2 epochs")
-    done = run_cli("train", "--resume", out, "--lr", "1", env=cache_env)
+    done = run_cli_in_process("train", "--resume", out, "--lr", "1", env=cache_env)
     assert_user_error(done, "drop --lr")
 
 
 @pytest.mark.slow
 def test_full_strategy_summary_does_not_compare_full_training_with_itself(tmp_path, profile_json):
     out = tmp_path / "run"
-    done = run_cli("train", "--strategy", "full", "--epochs", "1", "--profile", profile_json,
-                   "-o", out, *QUICK)  # fmt: skip
+    done = run_cli_in_process("train", "--strategy", "full", "--epochs", "1",
+                              "--profile", profile_json, "-o", out, *QUICK)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "speedup" not in done.stdout and "rho " not in done.stdout
     assert "full step" in done.stdout
 
 
-def test_a_failed_compile_leaves_nothing_behind(tmp_path):
+def test_a_failed_compile_leaves_nothing_behind(tmp_path, monkeypatch):
     """The default -o (etgraph-out) is created only to be removed again when the compile fails."""
-    missing = tmp_path / "nope.onnx"
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-m", "etgraph", "compile", str(missing)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert_user_error(done, "no such model file")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"not a model")
+    done = run_cli_in_process("compile", "model.onnx")
+    assert_user_error(done, "not a readable ONNX model")
+    (tmp_path / "model.onnx").unlink()
     assert list(tmp_path.iterdir()) == []

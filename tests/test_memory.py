@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import make_model, random_initializer, run_cli, run_cli_in_process, save_model
+from helpers import make_model, random_initializer, run_cli_in_process, save_model
 from onnx import TensorProto, helper
 
 from etgraph import period as period_module
@@ -263,7 +263,9 @@ def test_compile_memory_budget(cache_env, tmp_path):
     budget, inspect shows the memory columns, and an infeasible budget is one line naming the
     smallest feasible --memory-mb, which then compiles."""
     out = tmp_path / "c"
-    res = run_cli("compile", "-o", out, "--memory-mb", "100000", "--repeats", "2", env=cache_env)
+    res = run_cli_in_process(
+        "compile", "-o", out, "--memory-mb", "100000", "--repeats", "2", env=cache_env
+    )
     assert res.returncode == 0, res.stderr
     plan = json.loads((out / "plan.json").read_text())
     assert plan["memory_mb"] == 100000
@@ -276,12 +278,14 @@ def test_compile_memory_budget(cache_env, tmp_path):
     shown = run_cli_in_process("inspect", out, "--format", "json")
     assert shown.returncode == 0 and "tensor_mb" in shown.stdout.splitlines()[0]
 
-    res = run_cli("compile", "-o", tmp_path / "d", "--memory-mb", "1", env=cache_env)
+    res = run_cli_in_process("compile", "-o", tmp_path / "d", "--memory-mb", "1", env=cache_env)
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "pass --memory-mb" in lines[0], res.stderr
     smallest = int(re.search(r"--memory-mb (\d+) or more", lines[0]).group(1))
-    res = run_cli("compile", "-o", tmp_path / "e", "--memory-mb", smallest, env=cache_env)
+    res = run_cli_in_process(
+        "compile", "-o", tmp_path / "e", "--memory-mb", smallest, env=cache_env
+    )
     assert res.returncode == 0, res.stderr
     plan = json.loads((tmp_path / "e" / "plan.json").read_text())
     assert plan["predicted_peak_mb"] <= smallest

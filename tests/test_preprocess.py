@@ -179,10 +179,8 @@ def test_cli_unknown_order_is_a_usage_error(tmp_path):
 def test_compile_records_and_train_reuses_the_plan(tmp_path, cache_env):
     """plan.json round trip: compile records the preprocessing and --frozen-bn, train on the
     compiled directory reuses them (run.json), and an override is said in one warning line."""
-    from helpers import run_cli
-
     out = tmp_path / "compiled"
-    done = run_cli(
+    done = run_cli_in_process(
         "compile", "-o", out, "--preprocess", "caffe", "--scale", "2", "--frozen-bn", "train",
         "--repeats", "2", env=cache_env,
     )  # fmt: skip
@@ -191,14 +189,14 @@ def test_compile_records_and_train_reuses_the_plan(tmp_path, cache_env):
     recorded = Preprocess.from_json(plan["preprocess"])
     assert recorded == make_preprocess("caffe", scale=2.0) and plan["frozen_bn"] == "train"
     quick = ["--epochs", "1", "--max-steps-per-epoch", "2", "--max-val-batches", "1", "--quiet"]
-    done = run_cli("train", out, "--out", tmp_path / "run", *quick, env=cache_env)
+    done = run_cli_in_process("train", out, "--out", tmp_path / "run", *quick, env=cache_env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "differs" not in done.stderr
     config = TrainConfig.from_json(
         json.loads((tmp_path / "run" / "run.json").read_text())["config"]
     )
     assert config.preprocess == recorded and config.frozen_bn == "train"
-    done = run_cli(
+    done = run_cli_in_process(
         "train", out, "--out", tmp_path / "run2", "--frozen-bn", "inference", *quick, env=cache_env
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -10,6 +10,7 @@ import click
 
 from ..cli_options import tokenizer_option
 from ..errors import ConfigError
+from ..files import require_model_path
 from .config import STRATEGIES, FederateConfig, parse_seconds
 
 __all__ = ["federate_command", "format_summary"]
@@ -153,6 +154,8 @@ def federate_command(model, **opts):
     MODEL (an ONNX file, a compiled directory, or the embedded default model and digits) for
     --rounds rounds, each within --round-deadline in its own clock (needs the fl extra)."""
     config = _new_run_config(model, opts) if opts["resume_dir"] is None else None
+    if config is not None and config.model is not None:
+        require_model_path(config.model, directory_ok=True)  # before the imports (seconds)
     try:
         from .run import federate
     except ImportError as exc:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import files
-from ..errors import ConfigError, ModelError, Terminated
+from ..errors import ConfigError, Terminated
 from . import rundir
 from .config import FederateConfig
 
@@ -42,7 +42,7 @@ def with_absolute_paths(config: FederateConfig) -> FederateConfig:
         if value and Path(value).exists():
             changes[name] = str(Path(value).resolve())
         elif value and name == "model":
-            raise ModelError(f"model {value} does not exist: pass an ONNX file or compiled dir")
+            files.require_model_path(value, directory_ok=True)  # raises: it does not exist
     return dataclasses.replace(config, **changes)
 
 
