@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import assert_user_error, run_cli
+from helpers import assert_user_error, run_cli, run_cli_in_process
 from PIL import Image
 
 from etgraph.isolation import run_isolated
@@ -381,7 +381,7 @@ def test_hidden_probabilities_are_refused(tmp_path, cache_env, features_npz):
     output checked on a batch is probabilities, and cross-entropy on it is refused."""
     path = tmp_path / "mlp.onnx"
     onnx.save(skl_mlp(zipmap=False, probabilities="manual"), str(path))
-    done = run_cli(
+    done = run_cli_in_process(
         "compile", path, "--data", features_npz, "--rho", "1", "-o", tmp_path / "o", env=cache_env
     )
     assert_user_error(done, "output 'probabilities' holds probabilities, not logits", "Div <-")
@@ -395,7 +395,7 @@ def test_zipmap_model_trains_and_exports_with_its_zipmap(tmp_path, cache_env, fe
     onnx.save(skl_mlp(zipmap=True), str(path))
     out = tmp_path / "run"
     args = ["--data", features_npz, "--epochs", "2", "--period", "1", "--rho", "1"]
-    done = run_cli("train", path, *args, "--out", out, "--quiet", env=cache_env)
+    done = run_cli_in_process("train", path, *args, "--out", out, "--quiet", env=cache_env)
     assert done.returncode == 0, done.stderr[-3000:]
     session = ort.InferenceSession(str(out / "model_trained.onnx"))
     names = [o.name for o in session.get_outputs()]
@@ -479,7 +479,9 @@ def test_dynamo_export_with_optimize_false_keeps_batch_norms_and_trains(
     assert kinds.count("gamma") == kinds.count("beta") == 5 and kinds.count("kernel") == 6
     out = tmp_path / "run"
     args = ["--data", image_folder, "--epochs", "2", "--period", "1", "--batch-size", "4"]
-    done = run_cli("train", dynamo_exports["kept"], *args, "--out", out, "--quiet", env=cache_env)
+    done = run_cli_in_process(
+        "train", dynamo_exports["kept"], *args, "--out", out, "--quiet", env=cache_env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "model_trained.onnx").is_file()
 
@@ -494,13 +496,15 @@ def test_train_dir_uses_the_compiled_data(tmp_path, tiny_cnn_onnx, image_folder,
     import json
 
     run = tmp_path / "run"
-    done = run_cli("compile", tiny_cnn_onnx, "--data", image_folder, "-o", run, env=cache_env)
+    done = run_cli_in_process(
+        "compile", tiny_cnn_onnx, "--data", image_folder, "-o", run, env=cache_env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"next: etgraph train {run}" in done.stdout
     plan = json.loads((run / "plan.json").read_text())
     assert plan["data"] == str(image_folder.resolve()) and plan["tokenizer"] is None
     out = tmp_path / "train"
-    done = run_cli("train", run, "--epochs", "1", "--out", out, "--quiet", env=cache_env)
+    done = run_cli_in_process("train", run, "--epochs", "1", "--out", out, "--quiet", env=cache_env)
     assert done.returncode == 0, done.stderr[-3000:]
     config = json.loads((out / "run.json").read_text())["config"]
     assert config["data"] == str(image_folder.resolve())
@@ -552,7 +556,7 @@ def test_channels_last_model_trains_on_an_image_folder(tmp_path, cache_env, imag
     assert x.shape == (4, 32, 32, 3) and y.shape == (4,)
     out = tmp_path / "run"
     args = ["--data", image_folder, "--epochs", "1", "--rho", "1"]
-    done = run_cli("train", path, *args, "--out", out, "--quiet", env=cache_env)
+    done = run_cli_in_process("train", path, *args, "--out", out, "--quiet", env=cache_env)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
