@@ -537,11 +537,13 @@ def test_unexpected_error_is_one_line_without_debug_and_a_traceback_with(
         raise RuntimeError("simulated internal failure")
 
     monkeypatch.setattr(graph, "load_tensor_graph", broken)
+    model = tmp_path / "x.onnx"
+    model.write_bytes(b"")  # never read: the graph build above fails first
     with pytest.raises(SystemExit, match="3") as exit_info:
-        cli_module.main(["inspect", str(tmp_path / "x.onnx")])
+        cli_module.main(["inspect", str(model)])
     assert exit_info.value.code == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("etgraph: internal error:"), err
     assert "simulated internal failure" in err[0] and "--debug" in err[0]
     with pytest.raises(RuntimeError, match="simulated internal failure"):
-        cli_module.main(["--debug", "inspect", str(tmp_path / "x.onnx")])
+        cli_module.main(["--debug", "inspect", str(model)])

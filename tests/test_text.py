@@ -389,13 +389,14 @@ def test_text_options_checked_before_profiling(tmp_path, tok_path):
 
 
 def test_cli_text_options_fail_fast(tmp_path, tok_path):
-    # the model is never loaded nor profiled: the error comes first, one line, exit 1
+    # the model is never loaded nor profiled (it would fail: not ONNX): the error comes first,
+    # one line, exit 1
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model")
     done = run_cli_in_process(
-        "train", tmp_path / "no-model.onnx", "--data", write_csv(tmp_path / "d.csv", ROWS),
+        "train", junk, "--data", write_csv(tmp_path / "d.csv", ROWS),
         "--out", tmp_path / "run",
     )  # fmt: skip
     assert_user_error(done, "needs the model's tokenizer: pass --tokenizer tokenizer.json")
-    done = run_cli_in_process(
-        "compile", tmp_path / "no-model.onnx", "-o", tmp_path / "c", "--tokenizer", tok_path
-    )
+    done = run_cli_in_process("compile", junk, "-o", tmp_path / "c", "--tokenizer", tok_path)
     assert_user_error(done, "--tokenizer applies to text data (.csv or .jsonl), not digits")
