@@ -155,6 +155,16 @@ def test_reference_ratio_compares_each_reference_with_the_steps_around_it():
     assert np.isnan(reference_ratio(steps2, []))
 
 
+def test_reference_ratio_takes_the_faster_of_two_steps_on_both_sides():
+    """The reference is the faster of its full steps; the elastic side is the faster of each
+    two adjacent steps, not their median: with steps alternating 1 and 3 ms (their median 2 ms)
+    and a reference of 2 ms the ratio is 0.5, not 1."""
+    steps = [9.0] + [1e-3, 3e-3] * 10
+    assert reference_ratio(steps, [(10, 2e-3)], first=1) == pytest.approx(0.5)
+    # a lone elastic step on each side: compared as it is
+    assert reference_ratio([1e-3, 5.0, 1e-3], [(0, 2e-3)]) == pytest.approx(0.5)
+
+
 def test_sessions_have_one_configuration_per_role():
     from etgraph.ort_options import ROLES, OrtConfig, session_options
 
