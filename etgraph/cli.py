@@ -20,6 +20,10 @@ import click
 
 from . import __version__
 from .cli_options import (
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    RHO,
     head_lr_note,
     head_lr_scale_option,
     input_shape_option,
@@ -293,14 +297,20 @@ def inspect_command(
 
 @cli.command("profile")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size B.")
+@click.option("--batch-size", default=4, show_default=True, type=POSITIVE_INT, help="Batch size B.")
 @input_shape_option
 @output_option
 @loss_option
 @profile_level_option
-@click.option("--repeats", default=None, type=int, help="Measured runs [fast 3, thorough 10].")
-@click.option("--warmup", default=None, type=int, help="Discarded runs [fast 1, thorough 3].")
-@click.option("--threads", default=None, type=int, help="Intra-op threads [physical cores].")
+@click.option(
+    "--repeats", default=None, type=POSITIVE_INT, help="Measured runs [fast 3, thorough 10]."
+)
+@click.option(
+    "--warmup", default=None, type=NON_NEGATIVE_INT, help="Discarded runs [fast 1, thorough 3]."
+)
+@click.option(
+    "--threads", default=None, type=POSITIVE_INT, help="Intra-op threads [physical cores]."
+)
 @click.option("-o", "--out", default="profile.json", show_default=True, help="Profile JSON.")
 @click.option(
     "--cache-dir",
@@ -406,10 +416,12 @@ def profile_command(
     "--rho",
     default=0.5,
     show_default=True,
-    type=float,
+    type=RHO,
     help="Step time as a fraction of full training, in (0, 1].",
 )
-@click.option("--batch-size", default=4, show_default=True, type=int, help="Training batch size.")
+@click.option(
+    "--batch-size", default=4, show_default=True, type=POSITIVE_INT, help="Training batch size."
+)
 @input_shape_option
 @output_option
 @loss_option
@@ -423,19 +435,21 @@ def profile_command(
 @tokenizer_option
 @profile_level_option
 @click.option(
-    "--repeats", default=None, type=int, help="Profiler repetitions [fast 3, thorough 10]."
+    "--repeats", default=None, type=POSITIVE_INT, help="Profiler repetitions [fast 3, thorough 10]."
 )
-@click.option("--threads", default=None, type=int, help="ORT intra-op threads [physical cores].")
+@click.option(
+    "--threads", default=None, type=POSITIVE_INT, help="ORT intra-op threads [physical cores]."
+)
 @click.option(
     "--resolution",
     default=None,
-    type=int,
+    type=POSITIVE_INT,
     help="DP time resolution T_q in budget units [exact microseconds].",
 )
 @click.option(
     "--memory-mb",
     default=None,
-    type=float,
+    type=POSITIVE,
     help="Peak-memory budget in MiB: the training process's peak RSS, libraries included "
     "[none: time budget only].",
 )

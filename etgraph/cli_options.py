@@ -11,6 +11,17 @@ import click
 from .errors import ConfigError
 from .images import CHANNEL_ORDERS, PREPROCESS_PRESETS
 
+#: Option types that refuse a value out of range while the command line is parsed, before
+#: anything is imported or measured (``--epochs 0`` is answered at once, not after the seconds
+#: ORT and torch take to import); ``--help`` shows each range. The API checks the same ranges
+#: (:meth:`etgraph.config.TrainConfig.validate`).
+POSITIVE_INT = click.IntRange(min=1)
+NON_NEGATIVE_INT = click.IntRange(min=0)
+POSITIVE = click.FloatRange(min=0.0, min_open=True)
+NON_NEGATIVE = click.FloatRange(min=0.0)
+FRACTION = click.FloatRange(min=0.0, max=1.0)
+RHO = click.FloatRange(min=0.0, max=1.0, min_open=True)
+
 input_shape_option = click.option(
     "--input-shape",
     "input_shape",
@@ -54,7 +65,7 @@ head_lr_scale_option = click.option(
     "--head-lr-scale",
     "head_lr_scale",
     default=None,
-    type=float,
+    type=POSITIVE,
     metavar="S",
     help="Train the head (the dense layer making the output) at S times --lr, exactly: its "
     "weights stored divided by S, its output multiplied by S; the exported model folds S back. "
@@ -96,7 +107,10 @@ def model_input_options(command):
             "--std", default=None, help="Per-channel std, e.g. 0.229,0.224,0.225 [the preset's]."
         ),
         click.option(
-            "--scale", default=None, type=float, help="Pixels (0-255) divided by it [the preset's]."
+            "--scale",
+            default=None,
+            type=POSITIVE,
+            help="Pixels (0-255) divided by it [the preset's].",
         ),
         click.option(
             "--channel-order",

@@ -10,6 +10,11 @@ from pathlib import Path
 import click
 
 from .cli_options import (
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    RHO,
     given,
     given_options,
     head_lr_note,
@@ -43,19 +48,27 @@ STARTED = time.perf_counter() - process_age_s()
     "--tokenizer) [digits; train DIR: the data DIR was compiled with].",
 )
 @tokenizer_option
-@click.option("--epochs", default=12, show_default=True, type=int, help="Training epochs.")
+@click.option("--epochs", default=12, show_default=True, type=POSITIVE_INT, help="Training epochs.")
 @click.option(
-    "--batch-size", type=int, help="Batch size [4; train DIR: the batch size DIR was compiled for]."
+    "--batch-size",
+    type=POSITIVE_INT,
+    help="Batch size [4; train DIR: the batch size DIR was compiled for].",
 )
-@click.option("--lr", default=1e-4, show_default=True, type=float, help="Peak AdamW lr (cosine).")
-@click.option("--weight-decay", default=0.01, show_default=True, type=float, help="AdamW decay.")
+@click.option(
+    "--lr", default=1e-4, show_default=True, type=POSITIVE, help="Peak AdamW lr (cosine)."
+)
+@click.option(
+    "--weight-decay", default=0.01, show_default=True, type=NON_NEGATIVE, help="AdamW decay."
+)
 @click.option(
     "--rho",
-    type=float,
+    type=RHO,
     help="Step time / full step, in (0, 1] (within ±5% once the closed loop has measured "
     "steps) [0.5; train DIR: the rho DIR was compiled for].",
 )
-@click.option("--period", default=3, show_default=True, type=int, help="Epochs per re-selection.")
+@click.option(
+    "--period", default=3, show_default=True, type=POSITIVE_INT, help="Epochs per re-selection."
+)
 @click.option(
     "--strategy",
     default="elastic",
@@ -75,7 +88,7 @@ STARTED = time.perf_counter() - process_age_s()
     "--seed",
     default=0,
     show_default=True,
-    type=int,
+    type=NON_NEGATIVE_INT,
     help="Run seed: data order, split, probes, Dropout masks.",
 )
 @click.option(
@@ -92,19 +105,24 @@ STARTED = time.perf_counter() - process_age_s()
 @input_shape_option
 @output_option
 @loss_option
-@click.option("--threads", default=None, type=int, help="ORT threads [the profile's].")
+@click.option("--threads", default=None, type=POSITIVE_INT, help="ORT threads [the profile's].")
 @click.option(
-    "--max-steps-per-epoch", default=None, type=int, help="Subsample each epoch [all its steps]."
+    "--max-steps-per-epoch",
+    default=None,
+    type=POSITIVE_INT,
+    help="Subsample each epoch [all its steps].",
 )
 @click.option(
-    "--max-val-batches", default=None, type=int, help="Subsample validation [every batch]."
+    "--max-val-batches", default=None, type=POSITIVE_INT, help="Subsample validation [every batch]."
 )
-@click.option("--probe-batches", default=1, show_default=True, type=int, help="Importance batches.")
+@click.option(
+    "--probe-batches", default=1, show_default=True, type=POSITIVE_INT, help="Importance batches."
+)
 @click.option(
     "--probe-batch-size",
     default=4,
     show_default=True,
-    type=int,
+    type=POSITIVE_INT,
     help="Examples per importance batch (at most --batch-size; paper §4: 4).",
 )
 @click.option(
@@ -120,7 +138,7 @@ STARTED = time.perf_counter() - process_age_s()
 @click.option(
     "--memory-mb",
     default=None,
-    type=float,
+    type=POSITIVE,
     help="Peak-memory budget in MiB for the selection (elastic) [none: time budget only].",
 )
 @click.option(

@@ -31,21 +31,26 @@ def test_bare_command_prints_its_help_not_an_error():
 
 
 def test_a_typo_is_answered_before_the_heavy_imports(tmp_path):
-    """A missing model or --out is refused before onnxruntime, torch or onnx_ir is imported
-    (seconds each on a small board): one process runs the commands, then lists what it holds."""
+    """A missing model or --out, or an option out of its range, is refused before onnxruntime,
+    torch or onnx_ir is imported (seconds each on a small board): one process runs the
+    commands, then lists what it holds."""
     nope, out = str(tmp_path / "nope.onnx"), str(tmp_path / "out")
-    commands = [
-        ["compile", nope, "-o", out],
-        ["profile", nope],
-        ["inspect", nope],
-        ["train", nope, "-o", out],
-        ["train", "--epochs", "1"],  # no --out
-        ["federate", nope, "--round-deadline", "30s", "-o", out],
+    commands = [  # (argv, exit code, what the line says)
+        (["compile", nope, "-o", out], 1, "no such model file"),
+        (["profile", nope], 1, "no such model file"),
+        (["inspect", nope], 1, "no such model file"),
+        (["train", nope, "-o", out], 1, "no such model file"),
+        (["train", "--epochs", "1"], 1, "missing --out"),
+        (["federate", nope, "--round-deadline", "30s", "-o", out], 1, "no such model file"),
+        (["train", "--epochs", "0", "-o", out], 2, "'--epochs': 0 is not in the range x>=1"),
+        (["train", "--rho", "2", "-o", out], 2, "'--rho': 2.0 is not in the range 0.0<x<=1.0"),
+        (["compile", nope, "--batch-size", "0"], 2, "'--batch-size': 0 is not in the range x>=1"),
+        (["federate", "--rounds", "0", "-o", out], 2, "'--rounds': 0 is not in the range x>=1"),
     ]
     script = f"""
 import contextlib, io, sys
 from etgraph.cli import main
-for argv in {commands!r}:
+for argv in {[argv for argv, _, _ in commands]!r}:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -57,9 +62,9 @@ print(sorted(m for m in ("onnxruntime", "torch", "onnx_ir", "onnxscript") if m i
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     *errors, imported = done.stdout.strip().splitlines()
     assert len(errors) == len(commands), done.stdout + done.stderr
-    for line in errors:
-        assert line.startswith("1 etgraph: error: "), line
-        assert "no such model file" in line or "missing --out" in line, line
+    for line, (_, code, fragment) in zip(errors, commands, strict=True):
+        assert line.startswith(f"{code} etgraph: error: "), line
+        assert fragment in line, line
     assert imported == "[]"
 
 

@@ -72,20 +72,20 @@ def test_train_compiled_directory_and_strategy(tmp_path, default_model_path, pro
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "args, fragment",
+    "args, fragment, code",
     [
-        (["--rho", "0"], "rho"),
-        (["--rho", "1.5"], "rho"),
-        (["--period", "0"], "period"),
-        (["--batch-size", "0"], "batch size"),
-        (["--rho", "0.0001"], "rho"),  # below the forward-pass floor: gives the smallest rho
+        (["--rho", "0"], "'--rho'", 2),  # out of the option's range: click's usage error
+        (["--rho", "1.5"], "'--rho'", 2),
+        (["--period", "0"], "'--period'", 2),
+        (["--batch-size", "0"], "'--batch-size'", 2),
+        (["--rho", "0.0001"], "rho", 1),  # below the forward-pass floor: gives the smallest rho
     ],
 )
-def test_train_bad_settings_are_one_line_errors(tmp_path, profile_json, args, fragment):
+def test_train_bad_settings_are_one_line_errors(tmp_path, profile_json, args, fragment, code):
     done = run_cli_in_process("train", "--profile", str(profile_json),
                               "--out", str(tmp_path / "o"), "--epochs", "1", *args,
                               *QUICK)  # fmt: skip
-    assert done.returncode == 1
+    assert done.returncode == code
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("etgraph: error:"), done.stderr
     assert fragment in lines[0]

@@ -237,27 +237,32 @@ def compiled(cli, cache_env, tiny_cnn_onnx, tmp_path_factory) -> Path:
     return out
 
 
+#: What click refuses while parsing (exit 2): a value out of its option's range.
+OUT_OF_RANGE = 2
+
+
 @pytest.mark.parametrize(
-    "args, fragments",
+    "args, fragments, code",
     [
-        (["--input-shape", "3x32"], ["'3x32'", "CxHxW"]),
-        (["--input-shape", "three"], ["'three'", "CxHxW"]),
-        (["--input-shape", "0x32x32"], ["zero", "CxHxW"]),
-        (["--input-shape", "3x32x32x1"], ["CxHxW"]),
-        (["--input-shape", "1x32x32"], ["1 channels", "expects 3"]),
-        (["--rho", "0"], ["rho", "(0, 1]"]),
-        (["--rho", "-0.5"], ["rho", "(0, 1]"]),
-        (["--rho", "1.5"], ["rho", "(0, 1]"]),
-        (["--rho", "nan"], ["rho", "(0, 1]"]),
-        (["--batch-size", "0"], ["batch size", "positive"]),
-        (["--batch-size", "-3"], ["batch size", "positive"]),
-        (["--repeats", "0"], ["repeats"]),
-        (["--memory-mb", "inf"], ["--memory-mb", "positive number of MiB"]),
-        (["--memory-mb", "0"], ["--memory-mb", "positive number of MiB"]),
+        (["--input-shape", "3x32"], ["'3x32'", "CxHxW"], 1),
+        (["--input-shape", "three"], ["'three'", "CxHxW"], 1),
+        (["--input-shape", "0x32x32"], ["zero", "CxHxW"], 1),
+        (["--input-shape", "3x32x32x1"], ["CxHxW"], 1),
+        (["--input-shape", "1x32x32"], ["1 channels", "expects 3"], 1),
+        (["--rho", "0"], ["'--rho'", "0.0<x<=1.0"], OUT_OF_RANGE),
+        (["--rho", "-0.5"], ["'--rho'", "0.0<x<=1.0"], OUT_OF_RANGE),
+        (["--rho", "1.5"], ["'--rho'", "0.0<x<=1.0"], OUT_OF_RANGE),
+        (["--rho", "nan"], ["rho", "(0, 1]"], 1),  # no range holds NaN: refused by the check
+        (["--batch-size", "0"], ["'--batch-size'", "x>=1"], OUT_OF_RANGE),
+        (["--batch-size", "-3"], ["'--batch-size'", "x>=1"], OUT_OF_RANGE),
+        (["--repeats", "0"], ["'--repeats'"], OUT_OF_RANGE),
+        (["--memory-mb", "inf"], ["--memory-mb", "positive number of MiB"], 1),
+        (["--memory-mb", "0"], ["'--memory-mb'", "x>0.0"], OUT_OF_RANGE),
     ],
 )
-def test_compile_bad_settings(cli, tiny_cnn_onnx, tmp_path, args, fragments):
-    assert_user_error(cli("compile", tiny_cnn_onnx, "-o", tmp_path / "o", *args), *fragments)
+def test_compile_bad_settings(cli, tiny_cnn_onnx, tmp_path, args, fragments, code):
+    done = cli("compile", tiny_cnn_onnx, "-o", tmp_path / "o", *args)
+    assert_user_error(done, *fragments, code=code)
 
 
 def test_rho_below_forward_floor_gives_a_feasible_rho(cli, compiled, tiny_cnn_onnx, tmp_path):

@@ -279,12 +279,17 @@ def test_a_conv_head_is_refused_at_load(tiny_cnn_onnx):
 
 
 @pytest.mark.parametrize(
-    ("command", "value"),
-    [("compile", "-1"), ("compile", "0"), ("train", "nan"), ("train", "inf")],
+    ("command", "value", "fragment", "code"),
+    [
+        ("compile", "-1", "is not in the range x>0.0", 2),  # the option's range (click)
+        ("compile", "0", "is not in the range x>0.0", 2),
+        ("train", "nan", "positive, finite", 1),  # no range holds these two
+        ("train", "inf", "positive, finite", 1),
+    ],
 )
-def test_cli_bad_scale_is_a_one_line_error(tmp_path, command, value):
+def test_cli_bad_scale_is_a_one_line_error(tmp_path, command, value, fragment, code):
     done = run_cli_in_process(command, "-o", tmp_path / "out", "--head-lr-scale", value)
-    assert_user_error(done, "--head-lr-scale", "positive, finite")
+    assert_user_error(done, "--head-lr-scale", fragment, code=code)
     assert not (tmp_path / "out").exists()  # refused before any work
 
 

@@ -417,6 +417,7 @@ def test_config_validation():
         (dict(strategy="random"), "unknown strategy 'random'"),
         (dict(importance="sgd"), "unknown importance 'sgd': choose one of adam, first-step"),
         (dict(learning_rate=-1.0), "learning rate must be positive"),
+        (dict(seed=-1), "seed must be a non-negative integer, got -1"),
     ):
         with pytest.raises(ConfigError, match=message):
             TrainConfig(**bad).validate()

@@ -727,7 +727,7 @@ def test_an_npz_with_zero_rows_is_refused(cli, default_profile, tmp_path):
 def test_a_negative_seed_is_refused(cli, default_profile, tmp_path):
     done = cli("train", "--out", tmp_path / "run", "--profile", default_profile[1],
                "--seed", "-1", *QUICK_TRAIN)  # fmt: skip
-    assert_user_error(done, "seed must be a non-negative integer, got -1")
+    assert_user_error(done, "'--seed': -1 is not in the range x>=0", code=2)
 
 
 # ---- resource limits: bounded, or refused in one line before anything is allocated ----------

@@ -8,7 +8,13 @@ import sys
 
 import click
 
-from ..cli_options import tokenizer_option
+from ..cli_options import (
+    FRACTION,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    tokenizer_option,
+)
 from ..errors import ConfigError
 from ..files import require_model_path
 from .config import STRATEGIES, FederateConfig, parse_seconds
@@ -99,8 +105,12 @@ def _new_run_config(model, opts: dict) -> FederateConfig:
 @click.argument("model", required=False, type=click.Path())
 @click.option("--data", default=None, help="Dataset spec, as etgraph train's [digits].")
 @tokenizer_option
-@click.option("--clients", default=8, show_default=True, type=int, help="Flower SuperNodes.")
-@click.option("--rounds", default=20, show_default=True, type=int, help="Federated rounds.")
+@click.option(
+    "--clients", default=8, show_default=True, type=POSITIVE_INT, help="Flower SuperNodes."
+)
+@click.option(
+    "--rounds", default=20, show_default=True, type=POSITIVE_INT, help="Federated rounds."
+)
 @click.option(
     "--round-deadline",
     default=None,
@@ -123,10 +133,12 @@ def _new_run_config(model, opts: dict) -> FederateConfig:
     help="fedavg-full waits for the slowest; fedavg-drop drops late clients; elastic clients "
     "train what fits the deadline; elastic-fedel adds FedEL's window and global importance.",
 )
-@click.option("--local-epochs", default=1, show_default=True, type=int, help="Per round.")
-@click.option("--batch-size", default=4, show_default=True, type=int)
-@click.option("--lr", default=1e-3, show_default=True, type=float, help="Client AdamW lr.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Split, order, probes.")
+@click.option("--local-epochs", default=1, show_default=True, type=POSITIVE_INT, help="Per round.")
+@click.option("--batch-size", default=4, show_default=True, type=POSITIVE_INT)
+@click.option("--lr", default=1e-3, show_default=True, type=POSITIVE, help="Client AdamW lr.")
+@click.option(
+    "--seed", default=0, show_default=True, type=NON_NEGATIVE_INT, help="Split, order, probes."
+)
 @click.option(
     "--clock",
     default="cpu",
@@ -134,9 +146,11 @@ def _new_run_config(model, opts: dict) -> FederateConfig:
     type=click.Choice(["cpu", "wall"]),
     help="What a client measures (cpu: robust on a shared machine).",
 )
-@click.option("--window", default=None, type=float, help="FedEL window, share of tensors (0 off).")
 @click.option(
-    "--global-importance", default=None, type=float, help="Weight of the server's importance."
+    "--window", default=None, type=FRACTION, help="FedEL window, share of tensors (0 off)."
+)
+@click.option(
+    "--global-importance", default=None, type=FRACTION, help="Weight of the server's importance."
 )
 @click.option(
     "--fault",
