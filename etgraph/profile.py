@@ -59,9 +59,11 @@ _LEGACY_INPUT = "input"
 #: Version of the measurement method in :func:`profile_key`. Bumped when what is measured
 #: changes (format 3: no spinning; 4: batch norms also measured in inference mode,
 #: ``batch_norms``; 5: sessions bake frozen parameters, ``last_only_inference``; 6: the
-#: first_only selection timed baked in inference mode, ``inference_path_moved_us``), not for
-#: JSON renames: a cached format-3 profile measured the same way still hits.
-_METHOD_VERSION = 6
+#: first_only selection timed baked in inference mode, ``inference_path_moved_us``; 7: the
+#: kernels of nodes ORT's optimisations renamed count for their nodes,
+#: :func:`etgraph.measure.traced_node`), not for JSON renames: a cached format-3 profile
+#: measured the same way still hits.
+_METHOD_VERSION = 7
 
 
 @dataclass
