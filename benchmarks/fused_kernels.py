@@ -15,7 +15,7 @@ Models: ``text`` (all-MiniLM-L6-v2 with a 5-class head at --head-lr-scale 10, T 
 the quality issue's text task, torch's export with a Transpose before every dense MatMul) and
 zoo names at ``--input-size`` (batch 4).
 
-    python benchmarks/fused_kernels.py [--models text,resnet18,vit_b16] [--input-size 64]
+    python benchmarks/fused_kernels.py [--models text,resnet18] [--input-size 64]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections import defaultdict
@@ -137,12 +138,15 @@ def run(name: str, input_size: int, work: Path) -> dict:
 
 
 @click.command()
-@click.option("--models", default="text,resnet18,vit_b16", show_default=True)
+@click.option("--models", default="text,resnet18", show_default=True, help="text and zoo names.")
 @click.option("--input-size", default=64, show_default=True, help="Zoo models' H = W.")
 @click.option("--json", "json_out", default=str(RESULTS / "fused_kernels.json"), show_default=True)
 def main(models: str, input_size: int, json_out: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="etgraph-fused-"))
-    rows = [run(name, input_size, work) for name in models.split(",")]
+    try:
+        rows = [run(name, input_size, work) for name in models.split(",")]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print("| model | masks | full step ms | rule | mean / max \\|error\\| | bias | fixed cost ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

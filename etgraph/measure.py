@@ -343,7 +343,7 @@ class ProfiledGraph:
         self.spans = run_spans_s(events, len(self.times))
         self.nodes_ran = len(durations)
         self.kernel_us = sum(times.values())
-        self.traced = set(times)  # the names the kernels ran under
+        self.traced_names = set(times)  # the node names the kernels ran under
         names = {name for name, _, _ in self.nodes}
         by_node: dict[str, float] = defaultdict(float)
         unmatched_us = 0.0
@@ -355,7 +355,8 @@ class ProfiledGraph:
                 by_node[node] += us
         if unmatched_us > 0.01 * self.kernel_us:
             log.info(
-                "%.0f of %.0f us of kernel time ran in nodes of no graph node's name",
+                "%.0f of %.0f us of kernel time ran in nodes ORT named itself (left out of the "
+                "tensors' timings)",
                 unmatched_us,
                 self.kernel_us,
             )
