@@ -94,11 +94,12 @@ def freeze_gc() -> None:
 
     onnxruntime-training imports torch: millions of long-lived objects that every full
     collection walks (~0.2 s each), and building training graphs (onnx-ir, onnxblock) creates
-    enough objects to trigger several. Called where the heavy work starts (profiling, a training
-    run); objects frozen are still freed by reference counting, but cyclic garbage frozen would
-    never be: without the collection first a ResNet50 run kept an onnx-ir model of its weights
-    (+95 MiB peak RSS). Measured: ResNet50 at 128 px, fast profile: 2.76-2.86 s (3.01-3.88 s
-    without; building the graphs 0.29-0.34 s vs 0.43-0.48 s).
+    enough objects to trigger several. Called where the heavy work starts (profiling, a trainer
+    once built: whoever drives its periods); objects frozen are still freed by reference
+    counting, but cyclic garbage frozen would never be: without the collection first a ResNet50
+    run kept an onnx-ir model of its weights (+95 MiB peak RSS). Measured: ResNet50 at 128 px,
+    fast profile: 2.76-2.86 s (3.01-3.88 s without; building the graphs 0.29-0.34 s vs
+    0.43-0.48 s).
     """
     gc.collect()
     gc.freeze()

@@ -193,6 +193,11 @@ class ElasticTrainer(WeightsAccess):
                 from .loop import start_run
 
                 start_run(self, profile)
+        # Periods build graphs and sessions, whoever drives them (fit, a program on the API, a
+        # federated client): collections then skip the libraries' objects. Without it a
+        # client process's full collection took 33-444 ms of CPU, growing with its clients,
+        # one inside a round (issue 29; docs/results.md).
+        freeze_gc()
 
     # -- construction helpers -------------------------------------------------------------------
 
@@ -307,7 +312,6 @@ class ElasticTrainer(WeightsAccess):
         """
         for callback in self.callbacks:
             callback.on_fit_start(self)
-        freeze_gc()  # re-selections build graphs: collections then skip the libraries' objects
         while self.epoch < self.config.epochs:
             self.train_epoch()
         if self._period is not None:  # a period left open by a caller driving it by hand
