@@ -2,17 +2,24 @@
 documented loop with its default options (issue 31).
 
     python benchmarks/emitted_artifacts.py [--model mobilenet_v2] [--input-size 128]
-                                           [--rhos 0.3,0.4,0.5,0.6,0.7] [--rounds 5] [--steps 5]
+                                           [--rhos 0.3,0.4,0.5,0.6,0.7] [--rounds 10] [--steps 8]
+                                           [--repeats 3] [--options default,nospin]
 
 The model (a zoo name exported at --input-size with 5 classes, or an .onnx file) is compiled
 (``etgraph.pipeline.compile_model``, profile cached) at rho 1 (every tensor: the full step) and
 at each of ``--rhos``. Each compiled directory's ``artifacts/`` (frozen parameters baked in,
 ``plan.json`` ``artifacts_form``) is stepped as a user's own loop would: ``CheckpointState``,
-``Module`` and ``Optimizer`` with ORT's default ``SessionOptions``, ``module(x, y)``,
+``Module`` and ``Optimizer`` with ORT's default ``SessionOptions`` (``--options`` ``nospin``:
+with thread-pool spinning off, as etgraph's own loop runs on a shared machine), ``module(x, y)``,
 ``optimizer.step()``, ``lazy_reset_grad()`` — round robin with the full artifacts, one session
 alive at a time (opened, two untimed steps, ``--steps`` timed, released), ``--rounds`` rounds.
-The measured ratio to the full step (medians) is compared with the plan's predicted ratio
-(``predicted_step_us / t_full_us``).
+The measured ratio to the full step is the median over rounds of each round's median step over
+the same round's full step (with ORT's default spinning on 2 cores a session's step differs
+from the next session's of the same artifacts by up to 1.5x, so a round's ratio is noisy and
+the rounds' interquartile range is printed beside it); it is compared with the plan's
+predicted ratio (``predicted_step_us / t_full_us``). Each of ``--repeats`` compiles afresh (a
+new profile: its noise is part of the time model's error). Results:
+``benchmarks/results/emitted_artifacts_<model>_<size>.json``.
 """
 
 from __future__ import annotations
@@ -30,21 +37,29 @@ import onnxruntime as ort
 from onnxruntime.training import api
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+#: The session options kinds a user's loop may open the artifacts with (``_Loop``).
+OPTIONS = {"default": "ORT's default options", "nospin": "spinning off"}
 sys.path.insert(0, str(ROOT))
 
 from etgraph.pipeline import compile_model  # noqa: E402
 
 
 class _Loop:
-    """ORT's documented training loop on one artifacts directory, ORT's default options."""
+    """ORT's documented training loop on one artifacts directory, with ORT's default session
+    options (``options`` "default") or those with thread-pool spinning off ("nospin", one
+    line a user adds: ``session.intra_op.allow_spinning`` "0")."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, options: str = "default"):
+        so = ort.SessionOptions()
+        if options == "nospin":
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.state = api.CheckpointState.load_checkpoint(str(directory / "checkpoint"))
         self.module = api.Module(
             str(directory / "training_model.onnx"),
             self.state,
             str(directory / "eval_model.onnx"),
-            session_options=ort.SessionOptions(),
+            session_options=so,
         )
         self.optimizer = api.Optimizer(str(directory / "optimizer_model.onnx"), self.module)
         self.module.train()
@@ -57,62 +72,130 @@ class _Loop:
         return time.perf_counter() - t0
 
 
+def _measure(dirs: dict[float, Path], options: list[str], size: int, rounds: int, steps: int):
+    """Each round, the median step (s) of every artifacts directory under every session
+    options kind, by (kind, rho); one session alive at a time, the order reversed every round."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, size, size)).astype(np.float32)
+    y = rng.integers(0, 5, 4).astype(np.int64)
+    keys = [(kind, rho) for kind in options for rho in dirs]
+    medians: dict[tuple, list[float]] = {key: [] for key in keys}
+    for r in range(rounds):
+        for kind, rho in keys if r % 2 == 0 else keys[::-1]:
+            # one session alive at a time, as in a user's loop: an idle session's spinning
+            # pool (ORT's default) takes the cores from the one stepping
+            loop = _Loop(dirs[rho], kind)
+            loop.step(x, y)
+            loop.step(x, y)  # the first steps allocate
+            medians[kind, rho].append(float(np.median([loop.step(x, y) for _ in range(steps)])))
+            del loop
+    return medians
+
+
+def _repeat(path: Path, work: Path, rhos: list[float], options: list[str], args) -> dict:
+    """Compile at rho 1 and at each of ``rhos`` (a fresh profile) and measure the artifacts
+    under each session options kind."""
+    plans, dirs = {}, {}
+    for rho in [1.0, *rhos]:
+        out = work / f"rho{rho}"
+        compile_model(path, out, rho=rho, cache_dir=work / "cache")
+        plans[rho] = json.loads((out / "plan.json").read_text())
+        dirs[rho] = out / "artifacts"
+    medians = _measure(dirs, options, args.input_size, args.rounds, args.steps)
+    result = {"profiled_full_ms": plans[1.0]["t_full_us"] / 1e3, "options": {}}
+    for kind in options:
+        full = np.asarray(medians[kind, 1.0])
+        rows = []
+        for rho in rhos:
+            plan = plans[rho]
+            # the ratio measured side by side: each round's step over the same round's full one
+            ratios = np.asarray(medians[kind, rho]) / full
+            predicted = plan["predicted_step_us"] / plan["t_full_us"]
+            measured = float(np.median(ratios))
+            q1, q3 = np.percentile(ratios, [25, 75])
+            rows.append({
+                "rho": rho,
+                "form": plan.get("artifacts_form", "inputs"),
+                "selected": sum(t["selected"] for t in plan["tensors"]),
+                "tensors": len(plan["tensors"]),
+                "step_ms": 1e3 * float(np.median(medians[kind, rho])),
+                "predicted_step_ms": plan["predicted_step_us"] / 1e3,
+                "measured_ratio": measured,
+                "ratio_iqr": [float(q1), float(q3)],
+                "predicted_ratio": predicted,
+                "error": abs(measured / predicted - 1.0),
+            })  # fmt: skip
+        errors = [row["error"] for row in rows]
+        result["options"][kind] = {
+            "full_step_ms": 1e3 * float(np.median(full)),
+            "full_step_ms_rounds": [1e3 * v for v in full],
+            "rows": rows,
+            "mean_error": float(np.mean(errors)),
+            "max_error": float(np.max(errors)),
+        }
+    result["load_average"] = os.getloadavg()[0]
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mobilenet_v2")
     ap.add_argument("--input-size", type=int, default=128)
     ap.add_argument("--rhos", default="0.3,0.4,0.5,0.6,0.7")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--options",
+        default="default",
+        help="comma-separated session options kinds: default (ORT's), nospin (spinning off)",
+    )
     args = ap.parse_args()
     rhos = [float(r) for r in args.rhos.split(",")]
+    options = args.options.split(",")
+    if not set(options) <= set(OPTIONS):
+        ap.error(f"--options: one or more of {', '.join(OPTIONS)}")
     size = args.input_size
+    repeats = []
     with tempfile.TemporaryDirectory(prefix="emitted-") as tmp:
-        work = Path(tmp)
         if args.model.endswith(".onnx"):
             path = Path(args.model)
         else:
             from models.export import export_onnx
 
-            path = export_onnx(args.model, work / "m.onnx", input_shape=(3, size, size),
+            path = export_onnx(args.model, Path(tmp) / "m.onnx", input_shape=(3, size, size),
                                num_classes=5)  # fmt: skip
-        plans, dirs = {}, {}
-        for rho in [1.0, *rhos]:
-            out = work / f"rho{rho}"
-            compile_model(path, out, rho=rho, cache_dir=work / "cache")
-            plans[rho] = json.loads((out / "plan.json").read_text())
-            dirs[rho] = out / "artifacts"
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((4, 3, size, size)).astype(np.float32)
-        y = rng.integers(0, 5, 4).astype(np.int64)
-        times: dict[float, list[float]] = {rho: [] for rho in dirs}
-        for r in range(args.rounds):
-            order = list(dirs) if r % 2 == 0 else list(dirs)[::-1]
-            for rho in order:
-                # one session alive at a time, as in a user's loop: an idle session's spinning
-                # pool (ORT's default) takes the cores from the one stepping
-                loop = _Loop(dirs[rho])
-                loop.step(x, y)
-                loop.step(x, y)  # the first steps allocate
-                times[rho] += [loop.step(x, y) for _ in range(args.steps)]
-                del loop
-    full_ms = float(np.median(times[1.0])) * 1e3
-    print(f"\n{Path(args.model).stem} {size} px, load average {os.getloadavg()[0]:.2f} on "
-          f"{os.cpu_count()} cores; full step {full_ms:.1f} ms (ORT defaults)")  # fmt: skip
-    print("| rho | form | tensors | step ms | measured ratio | predicted ratio | error |")
-    print("|---|---|---|---|---|---|---|")
-    errors = []
-    for rho in rhos:
-        plan = plans[rho]
-        step_ms = float(np.median(times[rho])) * 1e3
-        measured = step_ms / full_ms
-        predicted = plan["predicted_step_us"] / plan["t_full_us"]
-        errors.append(abs(measured / predicted - 1.0))
-        selected = sum(t["selected"] for t in plan["tensors"])
-        print(f"| {rho} | {plan.get('artifacts_form', 'inputs')} | {selected}/"
-              f"{len(plan['tensors'])} | {step_ms:.1f} | {measured:.3f} | {predicted:.3f} | "
-              f"{100 * errors[-1]:.1f}% |")  # fmt: skip
-    print(f"error of the ratio: mean {100 * np.mean(errors):.1f}%, max {100 * np.max(errors):.1f}%")
+        for k in range(args.repeats):
+            r = _repeat(path, Path(tmp) / f"repeat{k}", rhos, options, args)
+            repeats.append(r)
+            for kind, o in r["options"].items():
+                rounds = o["full_step_ms_rounds"]
+                print(f"\nrepeat {k + 1}, {OPTIONS[kind]}: {Path(args.model).stem} {size} px, "
+                      f"load average {r['load_average']:.2f} on {os.cpu_count()} cores; full "
+                      f"step {o['full_step_ms']:.1f} ms (per round {min(rounds):.0f}-"
+                      f"{max(rounds):.0f}), {r['profiled_full_ms']:.1f} ms profiled")  # fmt: skip
+                print("| rho | form | tensors | step ms | predicted ms | measured ratio "
+                      "(rounds' IQR) | predicted ratio | error |")  # fmt: skip
+                print("|---|---|---|---|---|---|---|---|")
+                for row in o["rows"]:
+                    q1, q3 = row["ratio_iqr"]
+                    print(f"| {row['rho']} | {row['form']} | {row['selected']}/{row['tensors']} "
+                          f"| {row['step_ms']:.1f} | {row['predicted_step_ms']:.1f} | "
+                          f"{row['measured_ratio']:.3f} ({q1:.3f}-{q3:.3f}) | "
+                          f"{row['predicted_ratio']:.3f} | "
+                          f"{100 * row['error']:.1f}% |")  # fmt: skip
+                print(f"error of the ratio: mean {100 * o['mean_error']:.1f}%, "
+                      f"max {100 * o['max_error']:.1f}%", flush=True)  # fmt: skip
+    print()
+    for kind in options:
+        means = [100 * r["options"][kind]["mean_error"] for r in repeats]
+        maxes = [100 * r["options"][kind]["max_error"] for r in repeats]
+        print(f"{OPTIONS[kind]}, {len(repeats)} repeats: mean error {np.mean(means):.1f} +- "
+              f"{np.std(means):.1f}%, max error {np.mean(maxes):.1f} +- {np.std(maxes):.1f}% "
+              f"(worst {max(maxes):.1f}%)")  # fmt: skip
+    out = RESULTS / f"emitted_artifacts_{Path(args.model).stem}_{size}.json"
+    out.write_text(json.dumps({"args": vars(args), "repeats": repeats}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
