@@ -14,9 +14,9 @@ with thread-pool spinning off, as etgraph's own loop runs on a shared machine), 
 ``optimizer.step()``, ``lazy_reset_grad()`` — round robin with the full artifacts, one session
 alive at a time (opened, two untimed steps, ``--steps`` timed, released), ``--rounds`` rounds.
 The measured ratio to the full step is the median over rounds of each round's median step over
-the same round's full step (with ORT's default spinning on 2 cores a session's step differs
-from the next session's of the same artifacts by up to 1.5x, so a round's ratio is noisy and
-the rounds' interquartile range is printed beside it); it is compared with the plan's
+the same round's full step (on the 2-core test machine one session's median step differed from
+the next session's of the same artifacts by up to 1.5x under any options, so a round's ratio is
+noisy and the rounds' interquartile range is printed beside it); it is compared with the plan's
 predicted ratio (``predicted_step_us / t_full_us``). Each of ``--repeats`` compiles afresh (a
 new profile: its noise is part of the time model's error). Results:
 ``benchmarks/results/emitted_artifacts_<model>_<size>.json``.
