@@ -3,15 +3,18 @@ documented loop with its default options (issue 31).
 
     python benchmarks/emitted_artifacts.py [--model mobilenet_v2] [--input-size 128]
                                            [--rhos 0.3,0.4,0.5,0.6,0.7] [--rounds 10] [--steps 8]
-                                           [--repeats 3] [--options default,nospin]
+                                           [--repeats 3] [--options default,nospin,etgraph]
+                                           [--suffix S]
 
 The model (a zoo name exported at --input-size with 5 classes, or an .onnx file) is compiled
 (``etgraph.pipeline.compile_model``, profile cached) at rho 1 (every tensor: the full step) and
 at each of ``--rhos``. Each compiled directory's ``artifacts/`` (frozen parameters baked in,
 ``plan.json`` ``artifacts_form``) is stepped as a user's own loop would: ``CheckpointState``,
-``Module`` and ``Optimizer`` with ORT's default ``SessionOptions`` (``--options`` ``nospin``:
-with thread-pool spinning off, as etgraph's own loop runs on a shared machine), ``module(x, y)``,
-``optimizer.step()``, ``lazy_reset_grad()`` — round robin with the full artifacts, one session
+``Module`` and ``Optimizer`` with ORT's default ``SessionOptions``, ``module(x, y)``,
+``optimizer.step()``, ``lazy_reset_grad()`` (``--options``: ``default``; ``nospin``, with
+thread-pool spinning off, as etgraph's own loop runs on a shared machine; ``etgraph``, etgraph's
+``TrainingSession`` on the same directory: the speed of etgraph's loop, printed against ORT's
+loop with its defaults round by round) — round robin with the full artifacts, one session
 alive at a time (opened, two untimed steps, ``--steps`` timed, released), ``--rounds`` rounds.
 The measured ratio to the full step is the median over rounds of each round's median step over
 the same round's full step (on the 2-core test machine one session's median step differed from
@@ -19,7 +22,7 @@ the next session's of the same artifacts by up to 1.5x under any options, so a r
 noisy and the rounds' interquartile range is printed beside it); it is compared with the plan's
 predicted ratio (``predicted_step_us / t_full_us``). Each of ``--repeats`` compiles afresh (a
 new profile: its noise is part of the time model's error). Results:
-``benchmarks/results/emitted_artifacts_<model>_<size>.json``.
+``benchmarks/results/emitted_artifacts_<model>_<size><suffix>.json``.
 """
 
 from __future__ import annotations
@@ -33,16 +36,23 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnxruntime.training import api
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 #: The session options kinds a user's loop may open the artifacts with (``_Loop``).
-OPTIONS = {"default": "ORT's default options", "nospin": "spinning off"}
+OPTIONS = {
+    "default": "ORT's default options",
+    "nospin": "spinning off",
+    "etgraph": "etgraph's TrainingSession",
+}
 sys.path.insert(0, str(ROOT))
 
+from etgraph.host import usable_threads  # noqa: E402
 from etgraph.pipeline import compile_model  # noqa: E402
+from etgraph.sessions import TrainingSession  # noqa: E402
 
 
 class _Loop:
@@ -72,7 +82,27 @@ class _Loop:
         return time.perf_counter() - t0
 
 
-def _measure(dirs: dict[float, Path], options: list[str], size: int, rounds: int, steps: int):
+class _EtgraphSession:
+    """etgraph's own ``TrainingSession`` on the same artifacts directory (options "etgraph":
+    the train role's session options, the threads a run uses; the graphs are already baked)."""
+
+    def __init__(self, directory: Path, input_name: str):
+        self.session = TrainingSession(
+            directory,
+            directory / "checkpoint",
+            usable_threads(os.cpu_count() or 1),
+            bake=False,
+            input_names=[input_name],
+        )
+
+    def step(self, x, y) -> float:
+        t0 = time.perf_counter()
+        self.session.step(x, y)
+        return time.perf_counter() - t0
+
+
+def _measure(dirs: dict[float, Path], options: list[str], size: int, rounds: int, steps: int,
+             input_name: str):  # fmt: skip
     """Each round, the median step (s) of every artifacts directory under every session
     options kind, by (kind, rho); one session alive at a time, the order reversed every round."""
     rng = np.random.default_rng(0)
@@ -84,7 +114,11 @@ def _measure(dirs: dict[float, Path], options: list[str], size: int, rounds: int
         for kind, rho in keys if r % 2 == 0 else keys[::-1]:
             # one session alive at a time, as in a user's loop: an idle session's spinning
             # pool (ORT's default) takes the cores from the one stepping
-            loop = _Loop(dirs[rho], kind)
+            loop = (
+                _EtgraphSession(dirs[rho], input_name)
+                if kind == "etgraph"
+                else _Loop(dirs[rho], kind)
+            )
             loop.step(x, y)
             loop.step(x, y)  # the first steps allocate
             medians[kind, rho].append(float(np.median([loop.step(x, y) for _ in range(steps)])))
@@ -101,7 +135,8 @@ def _repeat(path: Path, work: Path, rhos: list[float], options: list[str], args)
         compile_model(path, out, rho=rho, cache_dir=work / "cache")
         plans[rho] = json.loads((out / "plan.json").read_text())
         dirs[rho] = out / "artifacts"
-    medians = _measure(dirs, options, args.input_size, args.rounds, args.steps)
+    input_name = onnx.load(str(path), load_external_data=False).graph.input[0].name
+    medians = _measure(dirs, options, args.input_size, args.rounds, args.steps, input_name)
     result = {"profiled_full_ms": plans[1.0]["t_full_us"] / 1e3, "options": {}}
     for kind in options:
         full = np.asarray(medians[kind, 1.0])
@@ -126,7 +161,14 @@ def _repeat(path: Path, work: Path, rhos: list[float], options: list[str], args)
                 "error": abs(measured / predicted - 1.0),
             })  # fmt: skip
         errors = [row["error"] for row in rows]
+        # each step against ORT's loop with its defaults on the same artifacts, same round
+        versus = [
+            v / d
+            for rho in dirs
+            for v, d in zip(medians[kind, rho], medians.get(("default", rho), []), strict=False)
+        ]
         result["options"][kind] = {
+            "vs_default": versus,
             "full_step_ms": 1e3 * float(np.median(full)),
             "full_step_ms_rounds": [1e3 * v for v in full],
             "rows": rows,
@@ -148,8 +190,10 @@ def main() -> None:
     ap.add_argument(
         "--options",
         default="default",
-        help="comma-separated session options kinds: default (ORT's), nospin (spinning off)",
+        help="comma-separated: default (ORT's loop, its options), nospin (spinning off), "
+        "etgraph (etgraph's TrainingSession with its own options on the same artifacts)",
     )
+    ap.add_argument("--suffix", default="", help="appended to the results file's name")
     args = ap.parse_args()
     rhos = [float(r) for r in args.rhos.split(",")]
     options = args.options.split(",")
@@ -188,12 +232,19 @@ def main() -> None:
                       f"max {100 * o['max_error']:.1f}%", flush=True)  # fmt: skip
     print()
     for kind in options:
+        versus = [v for r in repeats for v in r["options"][kind]["vs_default"]]
+        if kind != "default" and versus:
+            q1, q3 = np.percentile(versus, [25, 75])
+            print(f"{OPTIONS[kind]}: step {np.median(versus):.2f}x ORT's loop with its defaults on "
+                  f"the same artifacts, same round (IQR {q1:.2f}-{q3:.2f}, "
+                  f"{len(versus)} sessions)")  # fmt: skip
+    for kind in options:
         means = [100 * r["options"][kind]["mean_error"] for r in repeats]
         maxes = [100 * r["options"][kind]["max_error"] for r in repeats]
         print(f"{OPTIONS[kind]}, {len(repeats)} repeats: mean error {np.mean(means):.1f} +- "
               f"{np.std(means):.1f}%, max error {np.mean(maxes):.1f} +- {np.std(maxes):.1f}% "
               f"(worst {max(maxes):.1f}%)")  # fmt: skip
-    out = RESULTS / f"emitted_artifacts_{Path(args.model).stem}_{size}.json"
+    out = RESULTS / f"emitted_artifacts_{Path(args.model).stem}_{size}{args.suffix}.json"
     out.write_text(json.dumps({"args": vars(args), "repeats": repeats}, indent=1))
     print(f"wrote {out}")
 
