@@ -42,7 +42,7 @@ from onnxruntime.training import api
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-#: The session options kinds a user's loop may open the artifacts with (``_Loop``).
+#: How the artifacts are stepped: ORT's loop (``_Loop``) or etgraph's session (``_EtgraphSession``).
 OPTIONS = {
     "default": "ORT's default options",
     "nospin": "spinning off",
