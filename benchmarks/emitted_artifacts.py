@@ -42,7 +42,7 @@ from onnxruntime.training import api
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-#: How the artifacts are stepped: ORT's loop (``_Loop``) or etgraph's session (``_EtgraphSession``).
+#: How the artifacts are stepped: ORT's loop (:class:`_Loop`) or etgraph's session (:func:`_open`).
 OPTIONS = {
     "default": "ORT's default options",
     "nospin": "spinning off",
@@ -74,31 +74,28 @@ class _Loop:
         self.optimizer = api.Optimizer(str(directory / "optimizer_model.onnx"), self.module)
         self.module.train()
 
-    def step(self, x, y) -> float:
-        t0 = time.perf_counter()
+    def step(self, x, y) -> None:
         self.module(x, y)
         self.optimizer.step()
         self.module.lazy_reset_grad()
-        return time.perf_counter() - t0
 
 
-class _EtgraphSession:
-    """etgraph's own ``TrainingSession`` on the same artifacts directory (options "etgraph":
-    the train role's session options, the threads a run uses; the graphs are already baked)."""
+def _open(directory: Path, kind: str, input_name: str):
+    """What steps ``directory`` under ``kind``: ORT's loop (:class:`_Loop`), or for "etgraph"
+    etgraph's own ``TrainingSession`` (the train role's session options, the threads a run
+    uses; the graphs are already baked)."""
+    if kind != "etgraph":
+        return _Loop(directory, kind)
+    threads = usable_threads(os.cpu_count() or 1)
+    return TrainingSession(
+        directory, directory / "checkpoint", threads, bake=False, input_names=[input_name]
+    )
 
-    def __init__(self, directory: Path, input_name: str):
-        self.session = TrainingSession(
-            directory,
-            directory / "checkpoint",
-            usable_threads(os.cpu_count() or 1),
-            bake=False,
-            input_names=[input_name],
-        )
 
-    def step(self, x, y) -> float:
-        t0 = time.perf_counter()
-        self.session.step(x, y)
-        return time.perf_counter() - t0
+def _timed_step(loop, x, y) -> float:
+    t0 = time.perf_counter()
+    loop.step(x, y)
+    return time.perf_counter() - t0
 
 
 def _measure(dirs: dict[float, Path], options: list[str], size: int, rounds: int, steps: int,
@@ -114,19 +111,18 @@ def _measure(dirs: dict[float, Path], options: list[str], size: int, rounds: int
         for kind, rho in keys if r % 2 == 0 else keys[::-1]:
             # one session alive at a time, as in a user's loop: an idle session's spinning
             # pool (ORT's default) takes the cores from the one stepping
-            loop = (
-                _EtgraphSession(dirs[rho], input_name)
-                if kind == "etgraph"
-                else _Loop(dirs[rho], kind)
-            )
+            loop = _open(dirs[rho], kind, input_name)
             loop.step(x, y)
             loop.step(x, y)  # the first steps allocate
-            medians[kind, rho].append(float(np.median([loop.step(x, y) for _ in range(steps)])))
+            times = [_timed_step(loop, x, y) for _ in range(steps)]
+            medians[kind, rho].append(float(np.median(times)))
             del loop
     return medians
 
 
-def _repeat(path: Path, work: Path, rhos: list[float], options: list[str], args) -> dict:
+def _repeat(
+    path: Path, work: Path, rhos: list[float], options: list[str], input_name: str, args
+) -> dict:
     """Compile at rho 1 and at each of ``rhos`` (a fresh profile) and measure the artifacts
     under each session options kind."""
     plans, dirs = {}, {}
@@ -135,7 +131,6 @@ def _repeat(path: Path, work: Path, rhos: list[float], options: list[str], args)
         compile_model(path, out, rho=rho, cache_dir=work / "cache")
         plans[rho] = json.loads((out / "plan.json").read_text())
         dirs[rho] = out / "artifacts"
-    input_name = onnx.load(str(path), load_external_data=False).graph.input[0].name
     medians = _measure(dirs, options, args.input_size, args.rounds, args.steps, input_name)
     result = {"profiled_full_ms": plans[1.0]["t_full_us"] / 1e3, "options": {}}
     for kind in options:
@@ -209,8 +204,9 @@ def main() -> None:
 
             path = export_onnx(args.model, Path(tmp) / "m.onnx", input_shape=(3, size, size),
                                num_classes=5)  # fmt: skip
+        input_name = onnx.load(str(path), load_external_data=False).graph.input[0].name
         for k in range(args.repeats):
-            r = _repeat(path, Path(tmp) / f"repeat{k}", rhos, options, args)
+            r = _repeat(path, Path(tmp) / f"repeat{k}", rhos, options, input_name, args)
             repeats.append(r)
             for kind, o in r["options"].items():
                 rounds = o["full_step_ms_rounds"]
