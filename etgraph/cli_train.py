@@ -67,6 +67,14 @@ STARTED = time.perf_counter() - process_age_s()
     "steps) [0.5; train DIR: the rho DIR was compiled for].",
 )
 @click.option(
+    "--rho-scope",
+    default="step",
+    show_default=True,
+    type=click.Choice(["step", "run"]),
+    help="What --rho bounds: a step's time (paper Eq. 3) or the whole run's, overheads, "
+    "validation and export included (rho then planned per period).",
+)
+@click.option(
     "--period", default=3, show_default=True, type=POSITIVE_INT, help="Epochs per re-selection."
 )
 @click.option(
@@ -259,6 +267,7 @@ def _train_config(plan, opts: dict):
         learning_rate=opts["lr"],
         weight_decay=opts["weight_decay"],
         rho=_or_plan(opts["rho"], plan, "rho", 0.5),
+        rho_scope=opts["rho_scope"],
         period=opts["period"],
         strategy=opts["strategy"],
         seed=opts["seed"],

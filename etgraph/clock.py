@@ -10,7 +10,9 @@ What the period loop measures and how it turns measurements into the next select
   (:func:`fit_time_model`; by process CPU time unless the sessions spin, :func:`fit_clock`).
 * **Deadline mode** — :class:`DeadlinePlanner` chooses rho per period from the measured
   progress so that the run ends at its deadline, and refuses at the start a deadline the
-  cheapest selection cannot meet.
+  cheapest selection cannot meet. With rho of the whole run (``TrainConfig.rho_scope ==
+  "run"``) its deadline is rho times the time full training would take, estimated from the
+  run's own measurements (:meth:`DeadlinePlanner.full_run_s`).
 
 Pure functions over epoch records (the dicts of :class:`etgraph.rundir.EpochRecord`) and
 times; no session, no file.
@@ -253,20 +255,31 @@ def fit_time_model(
 
 @dataclass
 class DeadlinePlanner:
-    """Deadline mode: the rho of each period that ends the run (training, validation, export)
-    ``deadline_s`` after ``started_at``.
+    """Deadline mode, and rho of the whole run: the rho of each period that ends the run
+    (training, validation, export) at its deadline, ``started_at`` plus:
+
+    * ``deadline_s`` (deadline mode, ``TrainConfig.deadline_s``), or
+    * ``run_rho`` times the time full training would take from ``started_at``
+      (``TrainConfig.rho_scope == "run"``, :meth:`full_run_s`): the same setup, every epoch's
+      steps at the full step measured alike (the run's reference steps), its validation pass,
+      and the same end. The whole run then takes about ``run_rho`` of full training's, its
+      per-period overheads (importance, selection, sessions, reference steps) included.
 
     Attributes:
-        deadline_s: the deadline, seconds from ``started_at``.
         started_at: ``time.perf_counter()`` when the run (or the command) started.
         epochs, period, steps_per_epoch: the run's shape.
         val_batches: validation batches per epoch.
         floor_rho: the cheapest selection's rho (:func:`etgraph.timing.min_feasible_rho`).
         profiled_full_step_s: the profile's measured full step, s.
         full_step_now_s: measures a full step now, s (a warm all-trainable session).
+        deadline_s: the deadline, seconds from ``started_at`` (deadline mode).
+        run_rho: the whole run's time over full training's, in (0, 1] (rho of the run).
+        param_bytes: bytes of the model's trainable tensors (float32): what the export
+            writes, and a third of full training's checkpoint (weights and two AdamW moments),
+            both timed at the rate this run's checkpoints were written
+            (:meth:`checkpoint_written`).
     """
 
-    deadline_s: float
     started_at: float
     epochs: int
     period: int
@@ -275,6 +288,13 @@ class DeadlinePlanner:
     floor_rho: float
     profiled_full_step_s: float
     full_step_now_s: Callable[[], float] = field(repr=False)
+    deadline_s: float | None = None
+    run_rho: float | None = None
+    param_bytes: int = 0
+    _write_s_per_byte: list[float] = field(default_factory=list, repr=False)
+    _setup_s: float | None = field(default=None, repr=False)  # started_at to the first period
+    _first_epoch: int = field(default=0, repr=False)  # this process's first epoch
+    _planned_at: tuple[float, int] | None = field(default=None, repr=False)  # (elapsed, epoch)
 
     @classmethod
     def for_run(
@@ -287,16 +307,18 @@ class DeadlinePlanner:
         floor_rho: float,
         profiled_full_step_s: float,
         full_step_now_s: Callable[[], float],
+        param_bytes: int = 0,
     ) -> DeadlinePlanner | None:
         """The planner of a run of ``config`` (:class:`etgraph.config.TrainConfig`; None
-        without ``deadline_s``) with ``n_val`` validation examples."""
-        if config.deadline_s is None:
+        with neither ``deadline_s`` nor ``rho_scope == "run"``) with ``n_val`` validation
+        examples."""
+        run_rho = config.rho if config.rho_scope == "run" else None
+        if config.deadline_s is None and run_rho is None:
             return None
         val_batches = math.ceil(n_val / config.batch_size)
         if config.max_val_batches is not None:
             val_batches = min(val_batches, config.max_val_batches)
         return cls(
-            deadline_s=config.deadline_s,
             started_at=started_at,
             epochs=config.epochs,
             period=config.period,
@@ -305,22 +327,41 @@ class DeadlinePlanner:
             floor_rho=floor_rho,
             profiled_full_step_s=profiled_full_step_s,
             full_step_now_s=full_step_now_s,
+            deadline_s=config.deadline_s,
+            run_rho=run_rho,
+            param_bytes=param_bytes,
         )
+
+    def checkpoint_written(self, seconds: float, nbytes: int) -> None:
+        """A period end's checkpoint of ``nbytes`` bytes took ``seconds`` s (its rate times
+        the export and full training's checkpoints, :meth:`full_run_s`)."""
+        if nbytes > 0 and seconds > 0:
+            self._write_s_per_byte.append(seconds / nbytes)
 
     def check(self) -> None:
         """Raise ConfigError at the start when even the cheapest selection cannot finish in time.
 
         Raises:
-            ConfigError: names the shortest feasible deadline: the time already spent, the
-                cheapest selection's steps at the profile's measured full step, and the epochs'
-                and the end's other costs as :meth:`rho` plans them.
+            ConfigError: names the shortest feasible deadline (or, for rho of the whole run,
+                the smallest feasible rho): the time already spent, the cheapest selection's
+                steps at the profile's measured full step, and the epochs' and the end's other
+                costs as :meth:`rho` plans them.
         """
         elapsed = time.perf_counter() - self.started_at
         fixed, end = self._untrained_epoch_costs_s(self.profiled_full_step_s)
         steps = self.epochs * self.steps_per_epoch
         need = elapsed + steps * self.floor_rho * self.profiled_full_step_s
         need += self.epochs * fixed + end
-        if self.deadline_s < need:
+        if self.run_rho is not None:
+            full = self.full_run_s([], setup_s=elapsed)
+            if self.run_rho * full < need:
+                raise ConfigError(
+                    f"rho {self.run_rho:g} of the whole run cannot be met: even the cheapest "
+                    f"selection (rho {self.floor_rho:.2f} of a step) takes about "
+                    f"{need / full:.2f} of full training's time here: give --rho "
+                    f"{math.ceil(100 * need / full) / 100:g} or more, or --rho-scope step"
+                )
+        elif self.deadline_s < need:
             raise ConfigError(
                 f"deadline {self.deadline_s:g} s cannot be met: even the cheapest selection "
                 f"(rho {self.floor_rho:.2f}) needs about {math.ceil(need)} s for "
@@ -328,44 +369,100 @@ class DeadlinePlanner:
                 "or more, or fewer --epochs"
             )
 
+    def full_run_s(self, records: list[dict], setup_s: float | None = None) -> float:
+        """Seconds full training would take from ``started_at`` over this process's epochs
+        and periods: ``setup + E * (S * t_full + val) + P * checkpoint + end``. ``t_full`` is
+        the median reference step of ``records`` (full steps measured alike; before any, the
+        profile's measured full step), ``val`` their mean validation pass (before any: a third
+        of a full step per batch), ``checkpoint`` a checkpoint of the weights and both AdamW
+        moments of every tensor at this run's write rate (0 before its first), ``end`` as
+        :meth:`rho` plans its own, and ``setup`` the time from ``started_at`` to the first
+        period (``setup_s``)."""
+        refs = [r.get("reference_step_us", math.nan) for r in records]
+        refs = [t for t in refs if math.isfinite(t)]
+        t_full = float(np.median(refs)) * 1e-6 if refs else self.profiled_full_step_s
+        if records:
+            val = float(np.mean([r["val_s"] for r in records]))
+            end = self._end_s(val, t_full)
+        else:
+            val, end = self._untrained_epoch_costs_s(t_full)
+        setup = self._setup_s if setup_s is None else setup_s
+        epochs = self.epochs - self._first_epoch
+        periods = math.ceil(self.epochs / self.period) - self._first_epoch // self.period
+        checkpoint = 3 * self.param_bytes * self._s_per_byte()
+        epochs_s = epochs * (self.steps_per_epoch * t_full + val)
+        return (setup or 0.0) + epochs_s + periods * checkpoint + end
+
+    def _s_per_byte(self) -> float:
+        """Seconds per byte of this run's checkpoints so far (median; 0 before the first)."""
+        return float(np.median(self._write_s_per_byte)) if self._write_s_per_byte else 0.0
+
+    def _end_s(self, val_s: float, full_step_s: float) -> float:
+        """The end of a run: scoring the exported model (one validation pass, ``val_s``),
+        exporting it (its tensors at this run's write rate), and :data:`FINISH_S` times the
+        slowdown, s."""
+        export_s = self.param_bytes * self._s_per_byte()
+        return val_s + export_s + FINISH_S * self._slowdown(full_step_s)
+
     def rho(self, epoch: int, records: list[dict]) -> float:
         """The rho of the period starting at ``epoch`` (0-based) that ends the run at the deadline.
 
-        The time left, ``deadline_s - elapsed - end`` (``end``: scoring and exporting the
-        model, estimated as one validation pass plus :data:`FINISH_S` times the slowdown), is
+        The time left, ``deadline - elapsed - end`` (``deadline``: ``deadline_s``, or
+        ``run_rho`` times :meth:`full_run_s` of ``records``; ``end``: scoring and exporting the
+        model, estimated as one validation pass, the export at the run's checkpoint write rate
+        and :data:`FINISH_S` times the slowdown), is
         spent on ``E`` epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last
         period's epochs (measured progress, the machine's load included): ``u`` = mean step /
         the rho it was asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside
-        its steps (re-selection, reference steps, validation; not the one-off choice of
-        session options). Before any epoch: ``u`` = a full step measured now
-        (``full_step_now_s``), ``fixed`` = a validation pass at a third of a full step per
-        batch. Clamped to [the cheapest selection's rho, 1].
+        its steps (re-selection, reference steps, validation, the period end's checkpoint when
+        this planner timed the period from its start; not the one-off choice of session
+        options). Before any epoch: ``u`` = a full step measured now
+        (``full_step_now_s``; rho of the run: the profile's, as :meth:`full_run_s` takes it),
+        ``fixed`` = a validation pass at a third of a full step per batch. Clamped to [the
+        cheapest selection's rho, 1].
         """
+        elapsed = time.perf_counter() - self.started_at
+        if self._setup_s is None:  # the first period of this process
+            self._setup_s, self._first_epoch = elapsed, epoch
+        deadline = self.deadline_s
+        if self.run_rho is not None:
+            deadline = self.run_rho * self.full_run_s(records)
         epochs_left = self.epochs - epoch
-        left_s = self.deadline_s - (time.perf_counter() - self.started_at)
+        left_s = deadline - elapsed
         last = records[-min(self.period, len(records)) :] if records else []
+        planned_at, self._planned_at = self._planned_at, (elapsed, epoch)
         if last:
             u = float(np.mean([r["measured_step_us"] / r["rho_requested"] for r in last])) * 1e-6
-            fixed = float(
-                np.mean(
-                    [
-                        r["wall_time_s"]
-                        - r.get("ort_probe_s", 0.0)  # one-off, not per epoch
-                        + r["val_s"]
-                        - r["steps"] * r["measured_step_us"] * 1e-6
-                        for r in last
-                    ]
-                )
-            )
+            outside = [
+                r["wall_time_s"]
+                - r.get("ort_probe_s", 0.0)  # one-off, not per epoch
+                + r["val_s"]
+                - r["steps"] * r["measured_step_us"] * 1e-6
+                for r in last
+            ]
+            if planned_at is not None and planned_at[1] == epoch - len(last):
+                # this process planned the last period: its whole span since, so what the
+                # records do not hold (the period end's checkpoint, callbacks) counts too
+                probe = sum(r.get("ort_probe_s", 0.0) for r in last)
+                steps_s = sum(r["steps"] * r["measured_step_us"] * 1e-6 for r in last)
+                outside = [(elapsed - planned_at[0] - probe - steps_s) / len(last)]
+            fixed = float(np.mean(outside))
             full_us = last[-1].get("reference_step_us", float("nan"))  # measured alike
-            end = last[-1]["val_s"] + FINISH_S * self._slowdown(full_us * 1e-6)
+            end = self._end_s(last[-1]["val_s"], full_us * 1e-6)
         else:  # nothing trained yet: full steps now, and validation at a third of one per batch
-            u = self.full_step_now_s()
+            # (rho of the run: the profile's, as its full run is planned: the ratio is what counts)
+            u = self.full_step_now_s() if self.run_rho is None else self.profiled_full_step_s
             fixed, end = self._untrained_epoch_costs_s(u)
         steps = epochs_left * self.steps_per_epoch
         rho = (left_s - end - epochs_left * fixed) / (steps * u) if u > 0 else 1.0
         chosen = float(min(1.0, max(rho, self.floor_rho * 1.02)))
-        log.info("deadline: %.1f s left for %d epochs -> rho %.3f", left_s, epochs_left, chosen)
+        log.info(
+            "%s: %.1f s left for %d epochs -> rho %.3f",
+            "deadline" if self.run_rho is None else f"rho {self.run_rho:g} of the run",
+            left_s,
+            epochs_left,
+            chosen,
+        )
         return chosen
 
     def _untrained_epoch_costs_s(self, full_step_s: float) -> tuple[float, float]:
@@ -373,7 +470,7 @@ class DeadlinePlanner:
         its steps (a validation pass at a third of a full step per batch) and the end of the
         run (one more validation pass, and :data:`FINISH_S` times the slowdown), s."""
         fixed = self.val_batches * full_step_s / 3
-        return fixed, fixed + FINISH_S * self._slowdown(full_step_s)
+        return fixed, self._end_s(fixed, full_step_s)
 
     def _slowdown(self, full_step_s: float) -> float:
         """How much slower than profiled the machine runs: a full step measured now (s) over

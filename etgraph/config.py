@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from .model import LoadedModel
     from .profile import Profile
 
-__all__ = ["TrainConfig", "check_run_inputs", "load_run_data", "steps_per_epoch"]
+__all__ = ["RHO_SCOPES", "TrainConfig", "check_run_inputs", "load_run_data", "steps_per_epoch"]
+
+#: What ``TrainConfig.rho`` bounds: a step's time (paper Eq. 3), or the whole run's.
+RHO_SCOPES = ("step", "run")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,13 @@ class TrainConfig:
         batch_size: examples per step (> 0); must match the profile's batch size.
         learning_rate: peak AdamW learning rate (> 0), decayed by a cosine over all steps.
         weight_decay: AdamW decoupled weight decay (>= 0).
-        rho: requested step time as a fraction of full training's, in (0, 1].
+        rho: requested time as a fraction of full training's, in (0, 1]: of a step, or of
+            the whole run (``rho_scope``).
+        rho_scope: what ``rho`` bounds: ``"step"`` (an elastic step's time over a full step's,
+            paper Eq. 3) or ``"run"`` (the whole run's wall time, its per-period overheads,
+            validation and export included, over what full training would take; each period's
+            step rho is then planned from the run's measured progress as in deadline mode,
+            :class:`etgraph.clock.DeadlinePlanner`). Budgeted strategies only for ``"run"``.
         period: epochs between re-selections (> 0; paper: 3).
         strategy: one of :data:`etgraph.selection.STRATEGIES`.
         seed: run seed (data order, probe batches, train/val split, Dropout masks).
@@ -109,6 +118,7 @@ class TrainConfig:
     learning_rate: float = 1e-4
     weight_decay: float = 0.01
     rho: float = 0.5
+    rho_scope: str = "step"
     period: int = 3
     strategy: str = "elastic"
     seed: int = 0
@@ -163,6 +173,20 @@ class TrainConfig:
         check_head_lr_scale(self.head_lr_scale)
         if not (0.0 < self.reference_budget <= 1.0):
             raise ConfigError(f"reference budget must be in (0, 1], got {self.reference_budget}")
+        if self.rho_scope not in RHO_SCOPES:
+            raise ConfigError(
+                f"unknown rho scope {self.rho_scope!r}: choose one of {', '.join(RHO_SCOPES)}"
+            )
+        if self.rho_scope == "run":
+            if self.strategy not in BUDGETED_STRATEGIES:
+                raise ConfigError(
+                    f"--rho-scope run plans rho per period, which strategy {self.strategy!r} "
+                    f"ignores: use one of {', '.join(BUDGETED_STRATEGIES)}"
+                )
+            if self.deadline_s is not None:
+                raise ConfigError(
+                    "--deadline and --rho-scope run both plan the run's time: give one of them"
+                )
         if self.deadline_s is not None:
             if not self.deadline_s > 0:
                 raise ConfigError(f"deadline must be positive, got {self.deadline_s} s")

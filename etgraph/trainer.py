@@ -122,6 +122,7 @@ class ElasticTrainer(WeightsAccess):
         started_at: float | None = None,
         resuming: bool = False,
     ):
+        constructed_at = time.perf_counter()  # rho of the whole run counts from here
         config = (config or TrainConfig()).validate()
         if isinstance(data, (str, os.PathLike)):  # a spec: recorded in run.json
             config = dataclasses.replace(config, data=str(data))
@@ -162,7 +163,7 @@ class ElasticTrainer(WeightsAccess):
         self.dataset = load_run_data(config, model, self.input_shapes, data, val_data=val_data)
         self.steps_per_epoch = steps_per_epoch(self.dataset, config)
         self.total_steps = self.steps_per_epoch * config.epochs
-        self._build_parts(artifacts_root)
+        self._build_parts(artifacts_root, constructed_at)
         # the run's progress
         self.rho = config.rho  # this period's requested rho (deadline mode chooses it)
         self.epoch = 0  # epochs done
@@ -201,10 +202,13 @@ class ElasticTrainer(WeightsAccess):
 
     # -- construction helpers -------------------------------------------------------------------
 
-    def _build_parts(self, artifacts_root: str | os.PathLike | None) -> None:
+    def _build_parts(self, artifacts_root: str | os.PathLike | None, constructed_at: float) -> None:
         """The parts the run is wired from (docs/architecture.md, "The training loop"): the
         artifact cache, the sessions' options (:class:`OrtOptions`), the period controller
-        (:class:`PeriodController`) and the deadline planner, with the smallest feasible rho."""
+        (:class:`PeriodController`) and the deadline planner, with the smallest feasible rho.
+        A deadline counts from ``self.started_at``; rho of the whole run from
+        ``constructed_at`` (the trainer's start: a profile measured before it is not part of
+        either run)."""
         root = artifacts_root or (
             self.out / rundir.ARTIFACTS_DIR if self.out is not None else self.work_dir / "artifacts"
         )
@@ -217,7 +221,7 @@ class ElasticTrainer(WeightsAccess):
             bounded=self.bounded,
             threads=self.threads,
             total_steps=self.total_steps,
-            deadline_mode=self.config.deadline_s is not None,
+            deadline_mode=self.config.deadline_s is not None or self.config.rho_scope == "run",
         )
         self.controller = PeriodController(
             self.model,
@@ -234,12 +238,13 @@ class ElasticTrainer(WeightsAccess):
         self.floor_rho = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
         self.deadline = DeadlinePlanner.for_run(
             self.config,
-            started_at=self.started_at,
+            started_at=self.started_at if self.config.deadline_s is not None else constructed_at,
             steps_per_epoch=self.steps_per_epoch,
             n_val=self.dataset.n_val,
             floor_rho=self.floor_rho,
             profiled_full_step_s=p.measured_full_step_us * 1e-6,
             full_step_now_s=self.controller.full_step_now_s,
+            param_bytes=4 * sum(t.params for t in self.model.tensors),  # float32
         )
 
     @contextlib.contextmanager
@@ -445,7 +450,10 @@ class ElasticTrainer(WeightsAccess):
         )
         # a run directory's checkpoint survives a crash; the work directory's is gone with it
         self._session.save(self.checkpoint_path, properties, durable=self.out is not None)
-        log.debug("checkpoint after epoch %d: %.3f s", self.epoch, time.perf_counter() - t0)
+        save_s = time.perf_counter() - t0
+        log.debug("checkpoint after epoch %d: %.3f s", self.epoch, save_s)
+        if self.deadline is not None:
+            self.deadline.checkpoint_written(save_s, self.checkpoint_path.stat().st_size)
         self._period = None
         self.periods_ended = info.period + 1
         self._carried = self.checkpoint_path  # the state, until a session moves on from it

@@ -243,6 +243,90 @@ def test_deadline_parsing_and_config():
         TrainConfig(deadline_s=0.0).validate()
 
 
+def _run_planner(run_rho: float, floor_rho: float = 0.1):
+    import time
+
+    from etgraph.clock import DeadlinePlanner
+
+    return DeadlinePlanner(
+        started_at=time.perf_counter(),
+        epochs=4,
+        period=1,
+        steps_per_epoch=50,
+        val_batches=6,
+        floor_rho=floor_rho,
+        profiled_full_step_s=0.1,
+        full_step_now_s=lambda: pytest.fail("rho of the run plans from the profile's step"),
+        run_rho=run_rho,
+    )
+
+
+def test_rho_of_the_run_plans_the_whole_run_at_rho_times_full_training():
+    """Every period's step rho makes the planned run (the time spent, its epochs' steps and
+    fixed costs, the end) rho times the full run it estimates from the same measurements: the
+    run pays its overheads and validation out of its steps' budget."""
+    from etgraph.clock import FINISH_S
+
+    planner = _run_planner(0.5)
+    rho0 = planner.rho(0, [])  # nothing measured: the profile's step, validation estimated
+    val = 6 * 0.1 / 3
+    planned = 4 * (50 * rho0 * 0.1 + val) + val + FINISH_S
+    assert planned == pytest.approx(0.5 * (4 * (50 * 0.1 + val) + val + FINISH_S), rel=1e-4)
+    assert rho0 < 0.5  # validation and the end are paid out of the steps' budget
+    planner.started_at -= 4.0  # an epoch later: 4 s spent, its steps 20% slower than planned
+    steps0_s = 50 * 0.1 * rho0 * 1.2
+    record = dict(
+        measured_step_us=1e5 * rho0 * 1.2,
+        rho_requested=rho0,
+        steps=50,
+        wall_time_s=steps0_s + 0.5,
+        val_s=0.3,
+        reference_step_us=1.1e5,  # the full step measured alike: 10% slower than profiled
+    )
+    rho1 = planner.rho(1, [record])
+    full = planner.full_run_s([record])
+    assert full == pytest.approx(planner._setup_s + 4 * (50 * 0.11 + 0.3) + 0.3 + 1.1 * FINISH_S)
+    u = 0.1 * 1.2  # s per unit of rho, measured
+    fixed = 4.0 - steps0_s  # the epoch's whole span outside its steps (its checkpoint too)
+    planned = 4.0 + 3 * (fixed + 50 * rho1 * u) + 0.3 + 1.1 * FINISH_S
+    assert planned == pytest.approx(0.5 * full, rel=1e-3)
+    assert rho1 < rho0  # slower steps and the measured overheads: a smaller step budget
+
+
+def test_full_training_is_charged_its_checkpoints_at_the_runs_write_rate():
+    """Full training writes every tensor's weights and both AdamW moments at each period end
+    and exports the weights: timed at the rate this run's own checkpoints were written."""
+    planner = _run_planner(0.5)
+    planner.param_bytes = 1_000_000
+    before = planner.full_run_s([], setup_s=0.0)
+    planner.checkpoint_written(0.5, 2_000_000)  # 0.25 s per MB
+    planner.checkpoint_written(0.0, 0)  # nothing measured: ignored
+    after = planner.full_run_s([], setup_s=0.0)
+    assert after - before == pytest.approx(4 * 3 * 0.25 + 0.25)  # 4 periods' checkpoints, export
+
+
+def test_rho_of_the_run_below_the_cheapest_selection_is_one_error():
+    from etgraph.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rho 0.2 of the whole run cannot be met: .* give --rho"):
+        _run_planner(0.2, floor_rho=0.3).check()
+    _run_planner(0.5, floor_rho=0.3).check()
+
+
+def test_rho_scope_config():
+    from etgraph.config import TrainConfig
+    from etgraph.errors import ConfigError
+
+    TrainConfig(rho_scope="run").validate()
+    with pytest.raises(ConfigError, match="unknown rho scope 'epoch'"):
+        TrainConfig(rho_scope="epoch").validate()
+    with pytest.raises(ConfigError, match="plans rho per period, which strategy 'full' ignores"):
+        TrainConfig(rho_scope="run", strategy="full").validate()
+    with pytest.raises(ConfigError, match="--deadline and --rho-scope run both plan"):
+        TrainConfig(rho_scope="run", deadline_s=60.0).validate()
+    assert TrainConfig().digest() == TrainConfig(rho_scope="step").digest()  # old runs resume
+
+
 @pytest.mark.slow
 def test_deadline_mode_chooses_rho_per_period(tmp_path, default_profile, default_model):
     """An impossible deadline is one error at the start naming the shortest feasible one; a
@@ -269,6 +353,32 @@ def test_deadline_mode_chooses_rho_per_period(tmp_path, default_profile, default
     for r in read_log(tmp_path / "run"):
         assert floor < r["rho_requested"] <= 1.0 and r["val_s"] > 0
     assert result.deadline_s == 120.0 and 0 < result.elapsed_s < 120.0  # generous: on time
+
+
+@pytest.mark.slow
+def test_rho_of_the_run_pays_the_overheads_out_of_the_steps(
+    tmp_path, default_profile, default_model
+):
+    """With rho of the whole run every period asks for a step rho below it (validation,
+    the period starts and the end are paid out of the steps' budget), never below the cheapest
+    selection's; the run's settings record the scope."""
+    from etgraph.config import TrainConfig
+    from etgraph.loop import train
+    from etgraph.rundir import read_log
+    from etgraph.timing import min_feasible_rho
+
+    prof, _ = default_profile
+    config = TrainConfig(
+        rho=0.6, rho_scope="run", epochs=3, period=1, max_steps_per_epoch=30, max_val_batches=4
+    )
+    result = train(default_model, prof, config, tmp_path / "run", progress=False)
+    p = prof.for_frozen_bn(config.frozen_bn)  # the run's
+    floor = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
+    records = read_log(tmp_path / "run")
+    assert len(records) == 3
+    for r in records:
+        assert floor < r["rho_requested"] < 0.6
+    assert result.rho_requested < 0.6
 
 
 def test_process_age_counts_from_the_process_start():
