@@ -117,6 +117,10 @@ def _runs() -> dict[str, dict]:
     runs["elastic-adam@0.5@head-lr-scale10-probe-run-batch"] = dict(
         strategy="elastic", rho=0.5, head_lr_scale=HEAD_SCALE, probe_batch_size=1024
     )
+    for strategy in ("elastic-adam", "topk", "prefix"):  # rho of the whole run (--rho-scope run)
+        runs[f"{strategy}@0.5-run@head-lr-scale10"] = dict(
+            strategy=strategy.split("-")[0], rho=0.5, rho_scope="run", head_lr_scale=HEAD_SCALE
+        )
     for rho in (0.5, 0.35):  # the selectors that ignore importance, alike
         for strategy in ("topk", "prefix"):
             runs[f"{strategy}@{rho}@head-lr-scale10"] = dict(
