@@ -278,6 +278,8 @@ class DeadlinePlanner:
             writes, and a third of full training's checkpoint (weights and two AdamW moments),
             both timed at the rate this run's checkpoints were written
             (:meth:`checkpoint_written`).
+        reference_budget: ``TrainConfig.reference_budget`` (0: no reference steps, as under a
+            memory budget).
     """
 
     started_at: float
@@ -291,6 +293,7 @@ class DeadlinePlanner:
     deadline_s: float | None = None
     run_rho: float | None = None
     param_bytes: int = 0
+    reference_budget: float = 0.0
     _write_s_per_byte: list[float] = field(default_factory=list, repr=False)
     _setup_s: float | None = field(default=None, repr=False)  # started_at to the first period
     _first_epoch: int = field(default=0, repr=False)  # this process's first epoch
@@ -330,6 +333,7 @@ class DeadlinePlanner:
             deadline_s=config.deadline_s,
             run_rho=run_rho,
             param_bytes=param_bytes,
+            reference_budget=0.0 if config.memory_mb is not None else config.reference_budget,
         )
 
     def checkpoint_written(self, seconds: float, nbytes: int) -> None:
@@ -378,9 +382,7 @@ class DeadlinePlanner:
         moments of every tensor at this run's write rate (0 before its first), ``end`` as
         :meth:`rho` plans its own, and ``setup`` the time from ``started_at`` to the first
         period (``setup_s``)."""
-        refs = [r.get("reference_step_us", math.nan) for r in records]
-        refs = [t for t in refs if math.isfinite(t)]
-        t_full = float(np.median(refs)) * 1e-6 if refs else self.profiled_full_step_s
+        t_full = self._t_full_s(records)
         if records:
             val = float(np.mean([r["val_s"] for r in records]))
             end = self._end_s(val, t_full)
@@ -392,6 +394,31 @@ class DeadlinePlanner:
         checkpoint = 3 * self.param_bytes * self._s_per_byte()
         epochs_s = epochs * (self.steps_per_epoch * t_full + val)
         return (setup or 0.0) + epochs_s + periods * checkpoint + end
+
+    def _references_s(self, epoch: int, records: list[dict]) -> float:
+        """Seconds per epoch the reference steps of the period starting at ``epoch`` will take
+        (:func:`period_reference_positions` at the last period's rho, each reference ``1 +``
+        :data:`REFERENCE_WARMUP` full steps measured alike): the last period's own are not a
+        guide, its first opened their session and a short run's later periods may have none."""
+        if self.reference_budget <= 0 or not records:
+            return 0.0
+        epochs = min((epoch // self.period + 1) * self.period, self.epochs) - epoch
+        positions = period_reference_positions(
+            self.steps_per_epoch,
+            epochs,
+            self.reference_budget,
+            records[-1]["rho_requested"],
+            steps_since_reference(records),
+        )
+        count = sum(len(p) for p in positions)
+        return count * (1 + REFERENCE_WARMUP) * self._t_full_s(records) / epochs
+
+    def _t_full_s(self, records: list[dict]) -> float:
+        """The full step, s: the median reference step of ``records`` (measured alike), or
+        before any the profile's measured full step."""
+        refs = [r.get("reference_step_us", math.nan) for r in records]
+        refs = [t for t in refs if math.isfinite(t)]
+        return float(np.median(refs)) * 1e-6 if refs else self.profiled_full_step_s
 
     def _s_per_byte(self) -> float:
         """Seconds per byte of this run's checkpoints so far (median; 0 before the first)."""
@@ -414,9 +441,10 @@ class DeadlinePlanner:
         spent on ``E`` epochs of ``S`` steps: ``E * fixed + E * S * rho * u``. From the last
         period's epochs (measured progress, the machine's load included): ``u`` = mean step /
         the rho it was asked for (s per unit of rho), ``fixed`` = an epoch's wall time outside
-        its steps (re-selection, reference steps, validation, the period end's checkpoint when
-        this planner timed the period from its start; not the one-off choice of session
-        options). Before any epoch: ``u`` = a full step measured now
+        its steps and reference steps (re-selection, validation, the period end's checkpoint
+        when this planner timed the period from its start; not the one-off choice of session
+        options), plus the next period's reference steps as planned (:meth:`_references_s`).
+        Before any epoch: ``u`` = a full step measured now
         (``full_step_now_s``; rho of the run: the profile's, as :meth:`full_run_s` takes it),
         ``fixed`` = a validation pass at a third of a full step per batch. Clamped to [the
         cheapest selection's rho, 1].
@@ -433,20 +461,17 @@ class DeadlinePlanner:
         planned_at, self._planned_at = self._planned_at, (elapsed, epoch)
         if last:
             u = float(np.mean([r["measured_step_us"] / r["rho_requested"] for r in last])) * 1e-6
-            outside = [
-                r["wall_time_s"]
-                - r.get("ort_probe_s", 0.0)  # one-off, not per epoch
-                + r["val_s"]
-                - r["steps"] * r["measured_step_us"] * 1e-6
-                for r in last
-            ]
+            probe_s = sum(r.get("ort_probe_s", 0.0) for r in last)  # one-off, not per epoch
+            steps_s = sum(r["steps"] * r["measured_step_us"] * 1e-6 for r in last)
+            references_s = sum(r.get("reference_s", 0.0) for r in last)  # planned apart
             if planned_at is not None and planned_at[1] == epoch - len(last):
                 # this process planned the last period: its whole span since, so what the
                 # records do not hold (the period end's checkpoint, callbacks) counts too
-                probe = sum(r.get("ort_probe_s", 0.0) for r in last)
-                steps_s = sum(r["steps"] * r["measured_step_us"] * 1e-6 for r in last)
-                outside = [(elapsed - planned_at[0] - probe - steps_s) / len(last)]
-            fixed = float(np.mean(outside))
+                outside_s = elapsed - planned_at[0]
+            else:
+                outside_s = sum(r["wall_time_s"] + r["val_s"] for r in last)
+            fixed = (outside_s - probe_s - steps_s - references_s) / len(last)
+            fixed += self._references_s(epoch, records)
             full_us = last[-1].get("reference_step_us", float("nan"))  # measured alike
             end = self._end_s(last[-1]["val_s"], full_us * 1e-6)
         else:  # nothing trained yet: full steps now, and validation at a third of one per batch

@@ -293,6 +293,31 @@ def test_rho_of_the_run_plans_the_whole_run_at_rho_times_full_training():
     assert rho1 < rho0  # slower steps and the measured overheads: a smaller step budget
 
 
+def test_the_last_periods_reference_steps_are_not_the_next_ones():
+    """The first period's reference steps (their session opened, a measurement the short run's
+    later periods may not get) are replaced by the next period's as planned."""
+    from etgraph.clock import REFERENCE_WARMUP, period_reference_positions
+
+    def plan(reference_s: float, budget: float) -> tuple[float, float]:
+        planner = _run_planner(0.5)
+        planner.reference_budget = budget
+        rho0 = planner.rho(0, [])
+        planner.started_at -= 3.5  # the first epoch's span, whatever it was spent on
+        record = dict(
+            measured_step_us=1e5 * rho0, rho_requested=rho0, steps=50, val_s=0.3,
+            wall_time_s=3.0, reference_s=reference_s, reference_steps=2, reference_step_us=1e5,
+        )  # fmt: skip
+        return planner.rho(1, [record]), rho0
+
+    # 1 s of the span was reference steps, none planned again: 1 s more for each epoch's steps
+    assert (plan(1.0, 0.0)[0] - plan(0.0, 0.0)[0]) * 50 * 0.1 == pytest.approx(1.0, rel=1e-3)
+    rho1, rho0 = plan(1.0, 0.5)  # a budget affording references in every period
+    count = sum(len(p) for p in period_reference_positions(50, 1, 0.5, rho0, 50))
+    assert count >= 1
+    reserved = count * (1 + REFERENCE_WARMUP) * 0.1  # s per epoch, for the 3 left
+    assert (plan(1.0, 0.0)[0] - rho1) * 50 * 0.1 == pytest.approx(reserved, rel=1e-3)
+
+
 def test_full_training_is_charged_its_checkpoints_at_the_runs_write_rate():
     """Full training writes every tensor's weights and both AdamW moments at each period end
     and exports the weights: timed at the rate this run's own checkpoints were written."""

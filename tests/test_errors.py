@@ -361,6 +361,16 @@ def test_rho_with_a_deadline_is_refused(cli, profile_json, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_rho_of_the_run_needs_a_budgeted_strategy_and_no_deadline(cli, profile_json, tmp_path):
+    done = cli("train", "--profile", profile_json, "--rho-scope", "run", "--strategy", "full",
+               "--out", tmp_path / "run", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "--rho-scope run plans rho per period", "'full' ignores")
+    done = cli("train", "--profile", profile_json, "--rho-scope", "run", "--deadline", "10m",
+               "--out", tmp_path / "run", *QUICK_TRAIN)  # fmt: skip
+    assert_user_error(done, "--deadline and --rho-scope run both plan", "give one of them")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("profiled", [True, False])
 def test_train_output_directory_not_writable(cli, profile_json, tmp_path, profiled, monkeypatch):
     """Refused before any work: without a profile, before the model is profiled."""
