@@ -262,8 +262,9 @@ class DeadlinePlanner:
     * ``run_rho`` times the time full training would take from ``started_at``
       (``TrainConfig.rho_scope == "run"``, :meth:`full_run_s`): the same setup, every epoch's
       steps at the full step measured alike (the run's reference steps), its validation pass,
-      and the same end. The whole run then takes about ``run_rho`` of full training's, its
-      per-period overheads (importance, selection, sessions, reference steps) included.
+      full training's checkpoints and the same end. The whole run then takes about
+      ``run_rho`` of full training's, its per-period overheads (importance, selection,
+      sessions, reference steps) included.
 
     Attributes:
         started_at: ``time.perf_counter()`` when the run (or the command) started.
@@ -493,7 +494,7 @@ class DeadlinePlanner:
     def _untrained_epoch_costs_s(self, full_step_s: float) -> tuple[float, float]:
         """``(fixed, end)`` of :meth:`rho` before any epoch has run: an epoch's time outside
         its steps (a validation pass at a third of a full step per batch) and the end of the
-        run (one more validation pass, and :data:`FINISH_S` times the slowdown), s."""
+        run (:meth:`_end_s` with one more such pass), s."""
         fixed = self.val_batches * full_step_s / 3
         return fixed, self._end_s(fixed, full_step_s)
 

@@ -384,9 +384,9 @@ def test_deadline_mode_chooses_rho_per_period(tmp_path, default_profile, default
 def test_rho_of_the_run_pays_the_overheads_out_of_the_steps(
     tmp_path, default_profile, default_model
 ):
-    """With rho of the whole run every period asks for a step rho below it (validation,
-    the period starts and the end are paid out of the steps' budget), never below the cheapest
-    selection's; the run's settings record the scope."""
+    """With rho of the whole run the first period asks for a step rho below it (validation
+    and the end are paid out of the steps' budget), every period within [the cheapest
+    selection's, 1]: later ones take what the measured progress leaves."""
     from etgraph.config import TrainConfig
     from etgraph.loop import train
     from etgraph.rundir import read_log
@@ -396,14 +396,14 @@ def test_rho_of_the_run_pays_the_overheads_out_of_the_steps(
     config = TrainConfig(
         rho=0.6, rho_scope="run", epochs=3, period=1, max_steps_per_epoch=30, max_val_batches=4
     )
-    result = train(default_model, prof, config, tmp_path / "run", progress=False)
+    train(default_model, prof, config, tmp_path / "run", progress=False)
     p = prof.for_frozen_bn(config.frozen_bn)  # the run's
     floor = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
     records = read_log(tmp_path / "run")
     assert len(records) == 3
+    assert records[0]["rho_requested"] < 0.6
     for r in records:
-        assert floor < r["rho_requested"] < 0.6
-    assert result.rho_requested < 0.6
+        assert floor < r["rho_requested"] <= 1.0
 
 
 def test_process_age_counts_from_the_process_start():
