@@ -203,6 +203,7 @@ class TrainResult:
     ort_probe_step_ms: dict[str, float] | None = None  # each candidate's full step, probed
     ort_note: str = ""  # why they were not probed
     head_lr_scale: float = 1.0  # the head trained at this factor times the learning rate
+    run_rho: float | None = None  # rho of the whole run (--rho-scope run; None: of a step)
 
 
 # ---- run.json and the directory ---------------------------------------------------------------
@@ -543,6 +544,7 @@ def summarize(
     deadline_s: float | None = None,
     elapsed_s: float = float("nan"),
     head_lr_scale: float = 1.0,
+    run_rho: float | None = None,
 ) -> TrainResult:
     """The :class:`TrainResult` of a finished run from its epoch records.
 
@@ -558,6 +560,7 @@ def summarize(
         trained_model: path of the exported model.
         deadline_s, elapsed_s: deadline mode's deadline (None without) and the run's time
             from its start, s.
+        run_rho: rho of the whole run (``TrainConfig.rho_scope == "run"``), else None.
         head_lr_scale: the run's head learning-rate factor (``--head-lr-scale``).
     """
     wall = sum(r["wall_time_s"] for r in records)
@@ -616,6 +619,7 @@ def summarize(
         ort_probe_step_ms=chose.get("ort_probe_step_ms"),
         ort_note=chose.get("ort_note", ""),
         head_lr_scale=float(head_lr_scale),
+        run_rho=run_rho,
     )
 
 
@@ -687,6 +691,12 @@ def format_summary(result: TrainResult) -> str:
         f"{result.peak_rss_mb_last_period:.0f} MiB",
         f"trained model       {result.trained_model}",
     ]
+    if result.run_rho is not None:
+        lines.insert(
+            4,
+            f"rho of the run      {result.run_rho:.2f} of full training's time requested: each "
+            "period's step rho planned from the run's progress (below, steps)",
+        )
     if result.deadline_s is not None:
         error = 100.0 * (result.elapsed_s / result.deadline_s - 1.0)
         lines.insert(

@@ -350,8 +350,8 @@ class ElasticTrainer(WeightsAccess):
         epoch ends) are numbered on, so each probes new batches.
 
         Args:
-            rho: this period's step-time ratio in (0, 1] (default: ``config.rho``, or deadline
-                mode's choice).
+            rho: this period's step-time ratio in (0, 1] (default: ``config.rho``, or the
+                planner's choice: deadline mode, rho of the whole run).
             importance_fn: float64 [N] -> float64 [N] (finite), applied before the DP
                 (strategies with importance only).
 
@@ -680,6 +680,7 @@ class ElasticTrainer(WeightsAccess):
             deadline_s=cfg.deadline_s,
             elapsed_s=time.perf_counter() - self.started_at,
             head_lr_scale=cfg.head_lr_scale,
+            run_rho=cfg.rho if cfg.rho_scope == "run" else None,
         )
         if self.out is not None:
             rundir.write_summary(self.out, result)

@@ -389,14 +389,14 @@ def test_rho_of_the_run_pays_the_overheads_out_of_the_steps(
     selection's, 1]: later ones take what the measured progress leaves."""
     from etgraph.config import TrainConfig
     from etgraph.loop import train
-    from etgraph.rundir import read_log
+    from etgraph.rundir import format_summary, read_log
     from etgraph.timing import min_feasible_rho
 
     prof, _ = default_profile
     config = TrainConfig(
         rho=0.6, rho_scope="run", epochs=3, period=1, max_steps_per_epoch=30, max_val_batches=4
     )
-    train(default_model, prof, config, tmp_path / "run", progress=False)
+    result = train(default_model, prof, config, tmp_path / "run", progress=False)
     p = prof.for_frozen_bn(config.frozen_bn)  # the run's
     floor = min_feasible_rho(p.t_dw_us, p.t_dy_us, p.forward_us, p.t_full_us)
     records = read_log(tmp_path / "run")
@@ -404,6 +404,7 @@ def test_rho_of_the_run_pays_the_overheads_out_of_the_steps(
     assert records[0]["rho_requested"] < 0.6
     for r in records:
         assert floor < r["rho_requested"] <= 1.0
+    assert result.run_rho == 0.6 and "rho of the run      0.60" in format_summary(result)
 
 
 def test_process_age_counts_from_the_process_start():
