@@ -27,7 +27,8 @@ with importance on probe batches of the run's batch (``-probe-run-batch``) inste
 head at 10x the learning rate (``@head10``: an exact reparametrisation, see
 :class:`models.zoo.LearningRateScale`) for last-layer, full and elastic, and full and elastic
 with etgraph's own ``--head-lr-scale 10`` (``@head-lr-scale10``: the same reparametrisation as
-an ONNX pass on the plain export, :mod:`passes.onnx.head_lr`). Run by run label in
+an ONNX pass on the plain export, :mod:`passes.onnx.head_lr`); elastic, top-k and prefix with
+rho 0.5 of the whole run (``@0.5-run``: ``TrainConfig.rho_scope = "run"``). Run by run label in
 the order given (full first), every seed of a label before the next label, so whatever has run
 when the script is stopped forms complete rows; ``--continue`` skips the (label, seed) pairs
 already in the results file.
