@@ -680,7 +680,7 @@ class ElasticTrainer(WeightsAccess):
             deadline_s=cfg.deadline_s,
             elapsed_s=time.perf_counter() - self.started_at,
             head_lr_scale=cfg.head_lr_scale,
-            run_rho=cfg.rho if cfg.rho_scope == "run" else None,
+            run_rho=self.deadline.run_rho if self.deadline is not None else None,
         )
         if self.out is not None:
             rundir.write_summary(self.out, result)
