@@ -28,10 +28,10 @@ head at 10x the learning rate (``@head10``: an exact reparametrisation, see
 :class:`models.zoo.LearningRateScale`) for last-layer, full and elastic, and full and elastic
 with etgraph's own ``--head-lr-scale 10`` (``@head-lr-scale10``: the same reparametrisation as
 an ONNX pass on the plain export, :mod:`passes.onnx.head_lr`); elastic, top-k and prefix with
-rho 0.5 of the whole run (``@0.5-run``: ``TrainConfig.rho_scope = "run"``). Run by run label in
-the order given (full first), every seed of a label before the next label, so whatever has run
-when the script is stopped forms complete rows; ``--continue`` skips the (label, seed) pairs
-already in the results file.
+rho 0.5 of the whole run (``@0.5-run``: ``TrainConfig.rho_scope = "run"``), and elastic at rho
+0.6 and 0.7 of the whole run. Run by run label in the order given (full first), every seed of
+a label before the next label, so whatever has run when the script is stopped forms complete
+rows; ``--continue`` skips the (label, seed) pairs already in the results file.
 
 Per run: final validation accuracy; whole-run wall time (``train()`` called to returned:
 training, validation, export) and training time (``wall_time_s``: steps and per-period
@@ -121,6 +121,10 @@ def _runs() -> dict[str, dict]:
     for strategy in ("elastic-adam", "topk", "prefix"):  # rho of the whole run (--rho-scope run)
         runs[f"{strategy}@0.5-run@head-lr-scale10"] = dict(
             strategy=strategy.split("-")[0], rho=0.5, rho_scope="run", head_lr_scale=HEAD_SCALE
+        )
+    for rho in (0.6, 0.7):  # how much of full training's run elastic needs to be within 1 point
+        runs[f"elastic-adam@{rho}-run@head-lr-scale10"] = dict(
+            strategy="elastic", rho=rho, rho_scope="run", head_lr_scale=HEAD_SCALE
         )
     for rho in (0.5, 0.35):  # the selectors that ignore importance, alike
         for strategy in ("topk", "prefix"):
