@@ -334,24 +334,38 @@ def _pm(values, fmt="{:.3f}") -> str:
     return f"{fmt.format(statistics.mean(values))} ± {fmt.replace('+', '').format(sd)}"
 
 
-def summarize(runs: list[dict]) -> dict:
-    """Per label: mean ± std over seeds of accuracy, speedups over full of the same seed
-    (whole run and training time), achieved rho and the overheads."""
-    full = {r["seed"]: r for r in runs if r["label"] == "full"}
+def _model_of(run: dict) -> tuple[float, float]:
+    """(factor the torch export scales the head by, factor etgraph's pass scales it by) of a
+    logged run: the model its full-training partner must train too."""
+    head_scale = HEAD_SCALE if "@head10" in run["label"] else 1.0
+    return head_scale, run["config"].get("head_lr_scale") or 1.0
+
+
+def full_partners(runs: list[dict]) -> list[dict | None]:
+    """Per run, the full-training run of ``runs`` with its seed and model (:func:`_model_of`;
+    ``full@head-lr-scale10`` for an ``@head-lr-scale10`` run), or None."""
+    full = {(r["seed"], _model_of(r)): r for r in runs if r["config"]["strategy"] == "full"}
+    return [full.get((r["seed"], _model_of(r))) for r in runs]
+
+
+def summarize(runs: list[dict], partners: list[dict | None] | None = None) -> dict:
+    """Per label: mean ± std over seeds of accuracy, and against the full run of the same seed
+    and model (``partners``, default :func:`full_partners` of ``runs``) the accuracy change and
+    speedups (whole run and training time); achieved rho and the overheads."""
+    partners = full_partners(runs) if partners is None else partners
     rows, table = [], []
     for label in dict.fromkeys(r["label"] for r in runs):
         mine = [r for r in runs if r["label"] == label]
-        acc = [r["result"]["final_val_acc"] for r in mine]
-        whole = [full[r["seed"]]["whole_s"] / r["whole_s"] for r in mine if r["seed"] in full]
-        training = [
-            full[r["seed"]]["result"]["wall_time_s"] / r["result"]["wall_time_s"]
-            for r in mine
-            if r["seed"] in full
+        paired = [
+            (r, f)
+            for r, f in zip(runs, partners, strict=True)
+            if r["label"] == label and f is not None
         ]
+        acc = [r["result"]["final_val_acc"] for r in mine]
+        whole = [f["whole_s"] / r["whole_s"] for r, f in paired]
+        training = [f["result"]["wall_time_s"] / r["result"]["wall_time_s"] for r, f in paired]
         delta = [
-            100.0 * (r["result"]["final_val_acc"] - full[r["seed"]]["result"]["final_val_acc"])
-            for r in mine
-            if r["seed"] in full
+            100.0 * (r["result"]["final_val_acc"] - f["result"]["final_val_acc"]) for r, f in paired
         ]
         o = [r["overheads"] for r in mine]
         row = dict(
@@ -363,9 +377,7 @@ def summarize(runs: list[dict]) -> dict:
             training_speedup=training,
             measured_speedup=[r["result"]["speedup"] for r in mine],
             measured_speedup_vs_full=[
-                r["result"]["speedup"] / full[r["seed"]]["result"]["speedup"]
-                for r in mine
-                if r["seed"] in full
+                r["result"]["speedup"] / f["result"]["speedup"] for r, f in paired
             ],
             whole_s=[r["whole_s"] for r in mine],
             training_s=[r["result"]["wall_time_s"] for r in mine],
@@ -494,16 +506,22 @@ def torch_reference(args) -> None:
 
 def table(task: str) -> str:
     """The summary table over every ``quality_ablation_<task>*.json`` (runs of several
-    invocations, e.g. ``--suffix``; the first file's run of a (label, seed) pair wins)."""
+    invocations, e.g. ``--suffix``; the first file's run of a (label, seed) pair wins), at the
+    task's epochs (a run of other ``--epochs`` is another experiment)."""
     runs, seen = [], set()
     for path in sorted(RESULTS.glob(f"quality_ablation_{task}*.json")):
-        for r in json.loads(path.read_text())["runs"]:
+        logged = json.loads(path.read_text())["runs"]
+        for r, f in zip(logged, full_partners(logged), strict=True):  # paired within a file
+            if r["config"]["epochs"] != TASKS[task]["epochs"]:
+                continue
             if (r["label"], r["seed"]) not in seen:
                 seen.add((r["label"], r["seed"]))
-                runs.append(r)
+                runs.append((r, f))
     order = list(RUNS)
-    runs.sort(key=lambda r: (order.index(r["label"]) if r["label"] in order else 99, r["seed"]))
-    return summarize(runs)["table"]
+    runs.sort(
+        key=lambda p: (order.index(p[0]["label"]) if p[0]["label"] in order else 99, p[0]["seed"])
+    )
+    return summarize([r for r, _ in runs], [f for _, f in runs])["table"]
 
 
 def main() -> None:
