@@ -5,8 +5,9 @@ pretrained vision task and a pretrained text task, several seeds, whole-run time
     python benchmarks/quality_ablation.py text   [--seeds 0 1 2] [--epochs 2] [--runs LABEL ...]
     python benchmarks/quality_ablation.py default [--runs LABEL ...]  (the embedded digits task)
     python benchmarks/quality_ablation.py torch-reference      (the vision task in torch eager)
-    python benchmarks/quality_ablation.py table vision|text|default   (the table of every results
-                                                     file of the task, suffixes merged)
+    python benchmarks/quality_ablation.py table vision|text|default [--files SUFFIX ...]
+                                                    [--epochs E]  (the table of the task's
+                                                    results files, merged: first file wins)
 
 vision  torchvision's ImageNet MobileNetV2 with a fresh 10-class head
         (:mod:`models.pretrained_vision`) on Animal-MNIST silhouettes (250 per class: 2,000
@@ -504,15 +505,24 @@ def torch_reference(args) -> None:
     (RESULTS / "quality_ablation_torch_reference.json").write_text(json.dumps(rows, indent=2))
 
 
-def table(task: str) -> str:
-    """The summary table over every ``quality_ablation_<task>*.json`` (runs of several
-    invocations, e.g. ``--suffix``; the first file's run of a (label, seed) pair wins), at the
-    task's epochs (a run of other ``--epochs`` is another experiment)."""
+def table(task: str, suffixes: list[str] | None = None, epochs: int | None = None) -> str:
+    """The summary table over the results files ``quality_ablation_<task><suffix>.json`` of
+    ``suffixes`` in that order (default: every file of the task, by name), the first file's
+    run of a (label, seed) pair winning, each run against the full run of its own file
+    (:func:`full_partners`); runs of ``epochs`` only (default: the task's; a run of other
+    ``--epochs`` is another experiment)."""
+    epochs = epochs or TASKS[task]["epochs"]
+    paths = sorted(RESULTS.glob(f"quality_ablation_{task}*.json"))
+    if suffixes is not None:
+        paths = [RESULTS / f"quality_ablation_{task}{suffix}.json" for suffix in suffixes]
+        for path in paths:
+            if not path.is_file():
+                sys.exit(f"error: no results file {path}")
     runs, seen = [], set()
-    for path in sorted(RESULTS.glob(f"quality_ablation_{task}*.json")):
+    for path in paths:
         logged = json.loads(path.read_text())["runs"]
         for r, f in zip(logged, full_partners(logged), strict=True):  # paired within a file
-            if r["config"]["epochs"] != TASKS[task]["epochs"]:
+            if r["config"]["epochs"] != epochs:
                 continue
             if (r["label"], r["seed"]) not in seen:
                 seen.add((r["label"], r["seed"]))
@@ -542,11 +552,18 @@ def main() -> None:
         help="keep the results file's runs and skip their (label, seed) pairs",
     )
     ap.add_argument("--max-steps", type=int, default=None, help="cap steps/epoch (smoke runs)")
+    ap.add_argument(
+        "--files",
+        nargs="+",
+        default=None,
+        metavar="SUFFIX",
+        help="table: the results files of these suffixes, first wins (default: every file)",
+    )
     args = ap.parse_args()
     if args.task == "torch-reference":
         torch_reference(args)
     elif args.task == "table":
-        print(table(args.table_task or "vision"))
+        print(table(args.table_task or "vision", args.files, args.epochs))
     else:
         ablation(args)
 
