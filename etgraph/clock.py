@@ -314,11 +314,10 @@ class DeadlinePlanner:
         param_bytes: int = 0,
     ) -> DeadlinePlanner | None:
         """The planner of a run of ``config`` (:class:`etgraph.config.TrainConfig`; None
-        with neither ``deadline_s`` nor ``rho_scope == "run"``) with ``n_val`` validation
-        examples."""
-        run_rho = config.rho if config.rho_scope == "run" else None
-        if config.deadline_s is None and run_rho is None:
+        unless ``config.plans_rho``) with ``n_val`` validation examples."""
+        if not config.plans_rho:
             return None
+        run_rho = config.rho if config.rho_scope == "run" else None
         val_batches = math.ceil(n_val / config.batch_size)
         if config.max_val_batches is not None:
             val_batches = min(val_batches, config.max_val_batches)

@@ -146,6 +146,21 @@ class TrainConfig:
         """The probe batches' size: ``probe_batch_size``, at most ``batch_size``."""
         return min(self.probe_batch_size, self.batch_size)
 
+    @property
+    def plans_rho(self) -> bool:
+        """Whether each period's rho is planned from the run's progress
+        (:class:`etgraph.clock.DeadlinePlanner`): deadline mode, or rho of the whole run."""
+        return self.deadline_s is not None or self.rho_scope == "run"
+
+    def _require_budgeted(self, option: str) -> None:
+        """Raise ConfigError naming ``option`` (what it does with rho) unless the strategy
+        selects under a time budget (:data:`etgraph.selection.BUDGETED_STRATEGIES`)."""
+        if self.strategy not in BUDGETED_STRATEGIES:
+            raise ConfigError(
+                f"{option}, which strategy {self.strategy!r} ignores: use one of "
+                f"{', '.join(BUDGETED_STRATEGIES)}"
+            )
+
     def validate(self) -> TrainConfig:
         """Return self if every field is in range; raise ConfigError naming the bad option."""
         positive = {
@@ -178,11 +193,7 @@ class TrainConfig:
                 f"unknown rho scope {self.rho_scope!r}: choose one of {', '.join(RHO_SCOPES)}"
             )
         if self.rho_scope == "run":
-            if self.strategy not in BUDGETED_STRATEGIES:
-                raise ConfigError(
-                    f"--rho-scope run plans rho per period, which strategy {self.strategy!r} "
-                    f"ignores: use one of {', '.join(BUDGETED_STRATEGIES)}"
-                )
+            self._require_budgeted("--rho-scope run plans rho per period")
             if self.deadline_s is not None:
                 raise ConfigError(
                     "--deadline and --rho-scope run both plan the run's time: give one of them"
@@ -190,11 +201,7 @@ class TrainConfig:
         if self.deadline_s is not None:
             if not self.deadline_s > 0:
                 raise ConfigError(f"deadline must be positive, got {self.deadline_s} s")
-            if self.strategy not in BUDGETED_STRATEGIES:
-                raise ConfigError(
-                    f"--deadline chooses rho, which strategy {self.strategy!r} ignores: use "
-                    f"one of {', '.join(BUDGETED_STRATEGIES)}"
-                )
+            self._require_budgeted("--deadline chooses rho")
         if self.strategy not in STRATEGIES:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}"

@@ -221,7 +221,7 @@ class ElasticTrainer(WeightsAccess):
             bounded=self.bounded,
             threads=self.threads,
             total_steps=self.total_steps,
-            deadline_mode=self.config.deadline_s is not None or self.config.rho_scope == "run",
+            deadline_mode=self.config.plans_rho,
         )
         self.controller = PeriodController(
             self.model,
